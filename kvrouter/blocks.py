@@ -1,0 +1,66 @@
+"""Token ids -> chained block keys (pure).
+
+Block i's key is xxh3_64 over (key of block i-1, the block's token ids), seeded with the fleet's hash seed, so
+equal keys mean equal prefixes. Only full blocks are keyed: vLLM caches full blocks only. The first block also
+mixes in what vLLM isolates a cache by — the LoRA adapter and the request's `cache_salt` — so the same tokens
+under a different adapter or salt give a different chain. Requests and KV events go through the same function,
+which is why kvrouter never depends on the engine's hash seed or algorithm.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+from kvrouter.typedefs import BlockKey
+
+
+def root_material(lora: str | None = None, cache_salt: str | None = None) -> bytes:
+    """What the first block chains from: empty unless an adapter or salt isolates the request."""
+    if lora is None and cache_salt is None:
+        return b""
+    return b"\x00lora:" + (lora or "").encode() + b"\x00salt:" + (cache_salt or "").encode()
+
+
+def chain_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    seed: int = 0,
+    parent: BlockKey | None = None,
+    lora: str | None = None,
+    cache_salt: str | None = None,
+) -> list[BlockKey]:
+    """Keys of every full block of `token_ids`, chained from `parent` (None: the start of a prompt).
+
+    `lora`/`cache_salt` only matter when `parent` is None (the chain's first block carries them onward).
+    """
+    full = len(token_ids) // block_size
+    if full == 0:
+        return []
+    data = array("I", token_ids[: full * block_size]).tobytes()
+    step = block_size * 4
+    keys: list[BlockKey] = []
+    if parent is None:
+        previous = root_material(lora, cache_salt)
+    else:
+        previous = parent.to_bytes(8, "little")
+    hasher = xxhash.xxh3_64_intdigest
+    for start in range(0, full * step, step):
+        key = hasher(previous + data[start : start + step], seed)
+        keys.append(BlockKey(key))
+        previous = key.to_bytes(8, "little")
+    return keys
+
+
+def cacheable_tokens(prompt_tokens: int, matched_blocks: int, block_size: int) -> int:
+    """Tokens vLLM reports as cached for a prompt whose first `matched_blocks` blocks are cached.
+
+    vLLM always computes the last prompt token, so at most `prompt_tokens - 1` tokens count, in whole blocks.
+    """
+    if prompt_tokens <= 0:
+        return 0
+    limit = (prompt_tokens - 1) // block_size
+    return min(matched_blocks, limit) * block_size

@@ -1,0 +1,207 @@
+"""Settings and the replicas.yaml model.
+
+Two sources of configuration, kept apart on purpose:
+
+* `Settings` (pydantic-settings, env prefix ``KVROUTER_``; CLI flags override env): how this router process
+  behaves — where it listens, which policy, timeouts, limits, the Redis URL.
+* `FleetConfig` (replicas.yaml): what the fleet is — the replicas, their KV-event endpoints, the model's
+  tokenizer and the engine block size. Operators reload it live; settings need a restart.
+
+`load_fleet(path)` is the only way to read replicas.yaml; it raises `ConfigError` with one message naming the
+file, the field and what was expected, which the CLI prints before exiting with code 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvrouter.typedefs import ReplicaName
+
+PolicyName = Literal["round_robin", "least_loaded", "kv_aware"]
+POLICY_NAMES: tuple[str, ...] = ("round_robin", "least_loaded", "kv_aware")
+
+
+class ConfigError(Exception):
+    """A configuration file or value is wrong; the message is meant for the operator as is."""
+
+
+class KvEventsConfig(BaseModel):
+    """Where a replica's vLLM KV-cache event publisher is (vLLM's ``--kv-events-config``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint: str = Field(
+        description="ZMQ address of the engine's PUB socket as the router reaches it, e.g. tcp://10.0.0.5:5557.",
+    )
+    replay_endpoint: str | None = Field(
+        default=None,
+        description="ZMQ address of the engine's replay (ROUTER) socket; lost events are re-asked here.",
+    )
+    topic: str = Field(default="kv-events", description="Topic the engine publishes under ('' for none).")
+    bind: bool = Field(
+        default=False,
+        description=(
+            "Bind instead of connect. vLLM binds its PUB socket only when its endpoint has '*' or '::' "
+            "(or is ipc/inproc) and connects otherwise; when vLLM connects, the router must bind here."
+        ),
+    )
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_address(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError("expected a ZMQ address starting with tcp://, ipc:// or inproc://")
+        return value
+
+
+class ReplicaConfig(BaseModel):
+    """One vLLM replica (one OpenAI-compatible server, possibly data-parallel inside)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")] = Field(
+        description="Unique name; used in metrics labels, logs and the x-kvrouter-replica header.",
+    )
+    url: AnyHttpUrl = Field(description="Base URL of the replica's OpenAI server, e.g. http://10.0.0.5:8000.")
+    kv_events: KvEventsConfig | None = Field(
+        default=None, description="The replica's KV event publisher; without it the replica is routed on load only."
+    )
+    block_size: int | None = Field(
+        default=None, ge=1, le=4096, description="Engine block size if it differs from the fleet's block_size."
+    )
+    weight: float = Field(default=1.0, gt=0, description="Relative capacity; a 2.0 replica takes twice the load.")
+
+    @property
+    def replica(self) -> ReplicaName:
+        return ReplicaName(self.name)
+
+    @property
+    def base_url(self) -> str:
+        return str(self.url).rstrip("/")
+
+
+class FleetConfig(BaseModel):
+    """The whole replicas.yaml."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    replicas: list[ReplicaConfig] = Field(min_length=1, description="The replicas to route to.")
+    model: str | None = Field(
+        default=None, description="Served model name (what clients put in 'model'); informational."
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description=(
+            "Local directory of the model's Hugging Face tokenizer (tokenizer.json, tokenizer_config.json, "
+            "chat template). Never downloaded. Without it requests are routed on load only."
+        ),
+    )
+    block_size: int = Field(default=16, ge=1, le=4096, description="The engines' KV block size (--block-size).")
+    hash_seed: int = Field(default=0, ge=0, lt=2**64, description="Seed of kvrouter's own block keys.")
+    lora_adapters: list[str] = Field(
+        default_factory=list,
+        description="Names of LoRA adapters served by the replicas; a request naming one gets isolated keys.",
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> FleetConfig:
+        seen: set[str] = set()
+        for replica in self.replicas:
+            if replica.name in seen:
+                raise ValueError(f"replica name {replica.name!r} appears twice; names must be unique")
+            seen.add(replica.name)
+        return self
+
+    def block_size_of(self, replica: ReplicaConfig) -> int:
+        return replica.block_size or self.block_size
+
+
+def _format_validation_error(path: Path, error: ValidationError) -> str:
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    problem = first["msg"]
+    extra = len(error.errors()) - 1
+    more = f" (and {extra} more problem{'s' if extra > 1 else ''})" if extra else ""
+    return f"{path}: field '{location}': {problem}{more}"
+
+
+def parse_fleet(data: object, source: Path) -> FleetConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with a 'replicas' list at the top level")
+    try:
+        return FleetConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(source, error)) from None
+
+
+def load_fleet(path: str | Path) -> FleetConfig:
+    """Read and validate replicas.yaml; relative tokenizer paths resolve against the file's directory."""
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"{source}: cannot read the file: {error.strerror or error}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: not valid YAML: {error}") from None
+    fleet = parse_fleet(data, source)
+    if fleet.tokenizer is not None and not Path(fleet.tokenizer).is_absolute():
+        fleet = fleet.model_copy(update={"tokenizer": str((source.parent / fleet.tokenizer).resolve())})
+    return fleet
+
+
+class Settings(BaseSettings):
+    """How this router process behaves. Every field is also ``KVROUTER_<NAME>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="KVROUTER_", extra="ignore")
+
+    replicas: Path | None = Field(default=None, description="Path of replicas.yaml.")
+    host: str = Field(default="0.0.0.0", description="Address to listen on.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
+    policy: PolicyName = Field(default="kv_aware", description="Routing policy.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info")
+    redis_url: str | None = Field(
+        default=None, description="Follow KV events through Redis (relay mode) instead of ZMQ from each replica."
+    )
+    workers: int = Field(default=1, ge=1, le=256, description="Router processes sharing the port (SO_REUSEPORT).")
+
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="Timeout to connect to a replica.")
+    read_timeout_s: float = Field(
+        default=600.0, gt=0, description="Longest wait for the next chunk from a replica (first token included)."
+    )
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
+    max_retries: int = Field(default=2, ge=0, le=5, description="Retries on another replica before any byte.")
+    max_concurrency: int = Field(default=4096, ge=1, description="Requests in flight before new ones get 429.")
+
+    health_interval_s: float = Field(default=2.0, gt=0, description="Active /health probe period.")
+    metrics_interval_s: float = Field(default=1.0, gt=0, description="Engine /metrics scrape period.")
+    breaker_failures: int = Field(default=3, ge=1, description="Consecutive failures that open a replica's breaker.")
+    breaker_backoff_s: float = Field(default=1.0, gt=0, description="First breaker back-off; doubles per failure.")
+    breaker_backoff_max_s: float = Field(default=30.0, gt=0, description="Longest breaker back-off.")
+    shutdown_grace_s: float = Field(default=30.0, ge=0, description="Time in-flight requests get on SIGTERM.")
+
+    tokenizer_threads: int = Field(default=2, ge=1, le=64, description="Threads that tokenize requests.")
+    provisional_ttl_s: float = Field(
+        default=5.0, ge=0, description="How long a routed request's blocks count as cached before events confirm."
+    )
+
+    api_keys: list[str] = Field(default_factory=list, description="Accepted client Bearer keys (empty: open).")
+    admin_token: str | None = Field(default=None, description="Bearer token for /admin and /debug endpoints.")
+    forward_authorization: bool = Field(
+        default=False, description="Forward the client's Authorization header to replicas."
+    )
+    log_prompts: bool = Field(default=False, description="Allow prompt text in logs.")

@@ -1,0 +1,86 @@
+"""The one small interface every routing policy implements.
+
+A policy is a pure scorer: it receives the request's routing facts (`RouteRequest`) and one `Candidate` per
+healthy, routable replica (how many prompt tokens kvrouter believes are cached there and the replica's load), and
+returns a `Decision` with a per-candidate breakdown. `select` never changes state, so `/debug/route` can call it
+as a dry run; state a policy keeps (the round-robin cursor) moves only in `record`, which the router calls once
+the decision is acted on. The index lookup and load accounting happen outside, in the same objects for the live
+router and for virtual-time replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvrouter.typedefs import ReplicaName
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """What is known of a replica's load at decision time.
+
+    The router's own accounting is always present; the engine's view (scraped from vLLM /metrics, summed over
+    its `engine` series) is None until the first successful scrape.
+    """
+
+    in_flight: int = 0
+    """Requests the router has sent there and not yet finished."""
+    pending_prefill_tokens: int = 0
+    """Uncached prompt tokens of routed requests that have not produced a first token yet."""
+    decode_requests: int = 0
+    """Routed requests past their first token and still generating."""
+    engine_waiting: int | None = None
+    engine_running: int | None = None
+    kv_usage: float | None = None
+    """Fraction of the engine's KV cache in use, 0..1."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    replica: ReplicaName
+    cached_tokens: int
+    """Prompt tokens kvrouter believes the engine will serve from cache (engine rule applied)."""
+    load: ReplicaLoad
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    prompt_tokens: int | None
+    """Exact prompt length in tokens, or None when no tokenizer is configured."""
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateScore:
+    replica: ReplicaName
+    cached_tokens: int
+    score: float
+    """Lower is better."""
+    breakdown: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    chosen: ReplicaName
+    candidates: tuple[CandidateScore, ...]
+
+    def score_of(self, replica: ReplicaName) -> CandidateScore | None:
+        for candidate in self.candidates:
+            if candidate.replica == replica:
+                return candidate
+        return None
+
+
+class Policy(Protocol):
+    name: str
+
+    def select(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """Pick one of `candidates` (never empty). Must not change any state."""
+        ...
+
+    def record(self, decision: Decision) -> None:
+        """The decision was acted upon; move whatever state the policy keeps."""
+        ...

@@ -1,0 +1,146 @@
+"""The routing core shared by the live proxy and virtual-time replay: one implementation, two clocks.
+
+`Router.facts` turns a parsed request into `RoutingFacts` (exact token ids, off the event loop, via the
+`PromptTokenizer`); `Router.decide` asks the prefix index how much of the prompt each candidate holds, applies
+the engine's cached-token rule, reads each replica's load from the `LoadBook` and lets the policy choose — with
+no side effects, so `/debug/route` can call it; `Router.commit` acts on a decision: the policy's state moves,
+the request's blocks become provisional entries on the chosen replica, and the load book gets a ticket.
+The clock is a parameter (`time.monotonic` live, the virtual clock in replay).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvrouter.blocks import cacheable_tokens, chain_keys
+from kvrouter.load import LoadBook, Ticket
+from kvrouter.openai_request import ParsedRequest
+from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
+from kvrouter.typedefs import BlockKey, ReplicaName, Tier
+
+
+class PromptTokenizer(Protocol):
+    async def prompt_token_ids(self, request: ParsedRequest) -> list[list[int]]:
+        """Token ids the engine will see, one list per prompt (a batch has several); raises RequestError."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """A replica's longest cached prefix of a request, in blocks, by tier (GPU first)."""
+
+    blocks: int
+    gpu_blocks: int
+
+
+class PrefixLookup(Protocol):
+    def longest_prefixes(self, keys: Sequence[BlockKey], now: float) -> Mapping[ReplicaName, PrefixMatch]:
+        """For every replica holding at least the first key: how many leading keys it holds."""
+        ...
+
+    def add_provisional(self, replica: ReplicaName, keys: Sequence[BlockKey], now: float) -> None:
+        """Count `keys` as cached on `replica` until events confirm them or the TTL passes."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A replica as the router sees it at decision time."""
+
+    name: ReplicaName
+    block_size: int
+    weight: float = 1.0
+
+
+@dataclass(slots=True)
+class RoutingFacts:
+    prompts: list[list[int]] | None
+    """None when no tokenizer is configured (routing on load only)."""
+    lora: str | None = None
+    cache_salt: str | None = None
+    max_tokens: int | None = None
+    _keys: dict[int, list[BlockKey]] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        if self.prompts is None:
+            return None
+        return sum(len(prompt) for prompt in self.prompts)
+
+    def keys(self, block_size: int, seed: int) -> list[BlockKey]:
+        """Keys of the first prompt (a batch shares one replica; the first prompt stands for its prefix)."""
+        if not self.prompts:
+            return []
+        cached = self._keys.get(block_size)
+        if cached is None:
+            cached = chain_keys(
+                self.prompts[0], block_size, seed=seed, lora=self.lora, cache_salt=self.cache_salt
+            )
+            self._keys[block_size] = cached
+        return cached
+
+
+class Router:
+    def __init__(
+        self,
+        *,
+        policy: Policy,
+        load: LoadBook,
+        index: PrefixLookup | None = None,
+        tokenizer: PromptTokenizer | None = None,
+        hash_seed: int = 0,
+        lora_adapters: Iterable[str] = (),
+        clock: Callable[[], float],
+    ) -> None:
+        self.policy = policy
+        self.load = load
+        self.index = index
+        self.tokenizer = tokenizer
+        self.hash_seed = hash_seed
+        self.lora_adapters = frozenset(lora_adapters)
+        self.clock = clock
+
+    async def facts(self, request: ParsedRequest) -> RoutingFacts:
+        prompts = None if self.tokenizer is None else await self.tokenizer.prompt_token_ids(request)
+        lora = request.model if request.model in self.lora_adapters else None
+        return RoutingFacts(prompts, lora=lora, cache_salt=request.cache_salt, max_tokens=request.max_tokens)
+
+    def candidates(self, facts: RoutingFacts, routes: Sequence[Route]) -> list[Candidate]:
+        now = self.clock()
+        prompt_tokens = facts.prompt_tokens
+        matches: dict[int, Mapping[ReplicaName, PrefixMatch]] = {}
+        result = []
+        for route in routes:
+            cached = 0
+            if self.index is not None and facts.prompts:
+                by_replica = matches.get(route.block_size)
+                if by_replica is None:
+                    keys = facts.keys(route.block_size, self.hash_seed)
+                    by_replica = self.index.longest_prefixes(keys, now) if keys else {}
+                    matches[route.block_size] = by_replica
+                match = by_replica.get(route.name)
+                if match is not None:
+                    cached = cacheable_tokens(len(facts.prompts[0]), match.blocks, route.block_size)
+            result.append(Candidate(route.name, cached, self.load.snapshot(route.name), route.weight))
+        return result
+
+    def decide(self, facts: RoutingFacts, routes: Sequence[Route]) -> Decision:
+        """Choose among `routes` (non-empty). No side effects."""
+        request = RouteRequest(prompt_tokens=facts.prompt_tokens, max_tokens=facts.max_tokens)
+        return self.policy.select(request, self.candidates(facts, routes))
+
+    def commit(self, decision: Decision, facts: RoutingFacts, route: Route) -> Ticket:
+        self.policy.record(decision)
+        chosen = decision.score_of(decision.chosen)
+        cached = chosen.cached_tokens if chosen is not None else 0
+        prompt_tokens = facts.prompt_tokens or 0
+        if self.index is not None and facts.prompts:
+            keys = facts.keys(route.block_size, self.hash_seed)
+            if keys:
+                self.index.add_provisional(route.name, keys, self.clock())
+        return self.load.begin(route.name, max(0, prompt_tokens - cached))
+
+
+__all__ = ["PrefixLookup", "PrefixMatch", "PromptTokenizer", "Route", "Router", "RoutingFacts", "Tier"]
