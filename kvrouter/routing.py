@@ -109,7 +109,6 @@ class Router:
 
     def candidates(self, facts: RoutingFacts, routes: Sequence[Route]) -> list[Candidate]:
         now = self.clock()
-        prompt_tokens = facts.prompt_tokens
         matches: dict[int, Mapping[ReplicaName, PrefixMatch]] = {}
         result = []
         for route in routes:
