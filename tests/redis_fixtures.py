@@ -1,0 +1,146 @@
+"""A real redis-server for tests: Debian's binary on a free 127.0.0.1 port in a temporary directory.
+
+`RedisServer` starts, kills (SIGKILL, like a crash) and restarts one server by PID, with or without persistence
+(append-only file fsynced on every write, so "restarted with its data" means exactly the data written). Test
+modules import the fixtures: ``from tests.redis_fixtures import redis_server, redis_server_persistent``.
+Tests are skipped with a clear reason when no ``redis-server`` binary is on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class RedisServer:
+    """One redis-server process this test owns; `url` stays the same across restarts."""
+
+    def __init__(self, directory: Path, *, persistent: bool = False, port: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed (Debian package redis-server)")
+        self.binary = binary
+        self.directory = directory
+        self.persistent = persistent
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        directory.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def command(self) -> list[str]:
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.directory),
+            "--daemonize", "no",
+            "--save", "",
+            "--protected-mode", "yes",
+            "--loglevel", "warning",
+            "--logfile", str(self.directory / "redis.log"),
+        ]
+        if self.persistent:
+            args += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            args += ["--appendonly", "no"]
+        return args
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            return
+        self.process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                log = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}: {log}")
+            if self._answers_ping():
+                return
+            time.sleep(0.02)
+        self.kill()
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout_s}s")
+
+    def _answers_ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL by PID: no shutdown save, like a crash or an OOM kill."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def wipe(self) -> None:
+        """Forget the data on disk, so the next start comes back empty."""
+        for name in os.listdir(self.directory):
+            if name.startswith(("appendonly", "dump")):
+                path = self.directory / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+
+    def restart(self, *, keep_data: bool = True) -> None:
+        self.kill()
+        if not keep_data:
+            self.wipe()
+        self.start()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.process = None
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server without persistence: a restart comes back empty."""
+    server = RedisServer(tmp_path / "redis", persistent=False)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def redis_server_persistent(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server with an fsync-always append-only file: a restart comes back with every write."""
+    server = RedisServer(tmp_path / "redis-aof", persistent=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
