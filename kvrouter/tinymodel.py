@@ -66,7 +66,7 @@ def build_tokenizer(target: str | Path) -> Path:
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
     )
-    wrapped = PreTrainedTokenizerFast(
+    wrapped = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         bos_token="<s>",
         eos_token="</s>",
