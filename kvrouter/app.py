@@ -1,0 +1,132 @@
+"""The application factory: every long-lived object of a router process is built here and nowhere else.
+
+`create_app(settings, fleet)` wires the load book, the policy, the router core, the replica set, the metrics
+(on the given registry, or a fresh one), the proxy handlers and the background work: one pooled client session
+(connect timeout, per-chunk read timeout, no automatic decompression so bodies cross unchanged), the /health
+prober and the engine /metrics scraper. They live in `cleanup_ctx`, so they start with the server and stop
+when it shuts down. Shared objects are reachable through typed `web.AppKey`s.
+
+`build_prefix_parts` is the one place where the prefix index, the tokenizer and their background work (KV-event
+ingest) are made; without them the router routes on load alone.
+
+TCP_NODELAY: aiohttp sets it on every connection it makes or accepts (client and server protocols alike), so
+small SSE chunks are never held back by Nagle's algorithm on either hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from kvrouter.config import FleetConfig, Settings
+from kvrouter.load import LoadBook
+from kvrouter.metrics import RouterMetrics
+from kvrouter.policies import build_policy
+from kvrouter.proxy import Proxy
+from kvrouter.replicas import ReplicaSet
+from kvrouter.routing import PrefixLookup, PromptTokenizer, Router
+
+CleanupContext = Callable[[web.Application], AsyncIterator[None]]
+
+SETTINGS = web.AppKey("settings", Settings)
+FLEET = web.AppKey("fleet", FleetConfig)
+METRICS = web.AppKey("metrics", RouterMetrics)
+LOAD = web.AppKey("load", LoadBook)
+ROUTER = web.AppKey("router", Router)
+REPLICAS = web.AppKey("replicas", ReplicaSet)
+PROXY = web.AppKey("proxy", Proxy)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+
+@dataclass(slots=True)
+class PrefixParts:
+    """What KV-aware routing adds to the router: the index, the tokenizer and the tasks that feed the index."""
+
+    index: PrefixLookup | None = None
+    tokenizer: PromptTokenizer | None = None
+    contexts: list[CleanupContext] = field(default_factory=list)
+
+
+def build_prefix_parts(
+    settings: Settings, fleet: FleetConfig, metrics: RouterMetrics, clock: Callable[[], float]
+) -> PrefixParts:
+    """The prefix index, tokenizer and KV-event ingest for this fleet; none yet, so routing uses load only."""
+    return PrefixParts()
+
+
+def create_app(
+    settings: Settings,
+    fleet: FleetConfig,
+    *,
+    registry: CollectorRegistry | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> web.Application:
+    """A ready-to-run application; the caller runs it (with handler cancellation, see `kvrouter.serve`)."""
+    app = web.Application(client_max_size=settings.max_body_bytes, handler_args={"max_field_size": 65536})
+    metrics = RouterMetrics(registry if registry is not None else CollectorRegistry(auto_describe=True))
+    load = LoadBook()
+    prefix = build_prefix_parts(settings, fleet, metrics, clock)
+    router = Router(
+        policy=build_policy(settings.policy, settings),
+        load=load,
+        index=prefix.index,
+        tokenizer=prefix.tokenizer,
+        hash_seed=fleet.hash_seed,
+        lora_adapters=fleet.lora_adapters,
+        clock=clock,
+    )
+    replicas = ReplicaSet(fleet, settings, load, metrics, clock)
+    proxy = Proxy(settings=settings, router=router, replicas=replicas, load=load, metrics=metrics, clock=clock)
+    app[SETTINGS] = settings
+    app[FLEET] = fleet
+    app[METRICS] = metrics
+    app[LOAD] = load
+    app[ROUTER] = router
+    app[REPLICAS] = replicas
+    app[PROXY] = proxy
+    proxy.add_routes(app)
+    app.cleanup_ctx.append(_client_session)
+    app.cleanup_ctx.append(_replica_watch)
+    app.cleanup_ctx.extend(prefix.contexts)
+    return app
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, ttl_dns_cache=300)
+    timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s)
+    session = aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        # Only what the client sent goes upstream: no invented Accept-Encoding (the engine might compress for a
+        # client that cannot decompress) and no aiohttp User-Agent.
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
+    app[SESSION] = session
+    app[PROXY].session = session
+    yield
+    await session.close()
+
+
+async def _replica_watch(app: web.Application) -> AsyncIterator[None]:
+    replicas = app[REPLICAS]
+    session = app[SESSION]
+    tasks = [
+        asyncio.create_task(replicas.run_probes(session), name="kvrouter-health-probes"),
+        asyncio.create_task(replicas.run_scrapes(session), name="kvrouter-metrics-scrapes"),
+    ]
+    yield
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

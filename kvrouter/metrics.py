@@ -1,0 +1,161 @@
+"""Prometheus collectors of the router, registered on an injected `CollectorRegistry`.
+
+`RouterMetrics` groups every collector the proxy shell touches. Nothing here is global: the app factory makes
+one per application (tests make a fresh registry each), and `/metrics` renders that registry. Hot-path children
+(`labels(...)` lookups cost a lock and a dict probe) are cached per (replica, route) so the proxy pays one dict
+lookup per request. Gauges that mirror state kept elsewhere (in-flight per replica, replica health) are set
+when `/metrics` is scraped instead of on every request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+CACHED_ERROR_BUCKETS = (
+    -65536.0,
+    -16384.0,
+    -4096.0,
+    -1024.0,
+    -256.0,
+    -64.0,
+    -16.0,
+    -1.0,
+    0.0,
+    1.0,
+    16.0,
+    64.0,
+    256.0,
+    1024.0,
+    4096.0,
+    16384.0,
+    65536.0,
+)
+
+
+@dataclass(slots=True)
+class RouteTimers:
+    """The per-(replica, route) children a finished request observes."""
+
+    ttft: Histogram
+    duration: Histogram
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "kvrouter_requests",
+            "Requests answered, by replica, route and HTTP status.",
+            ["replica", "route", "status"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "kvrouter_ttft_seconds",
+            "Time from request arrival to the first response body byte from the replica.",
+            ["replica", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "kvrouter_request_duration_seconds",
+            "Time from request arrival to the end of the response.",
+            ["replica", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "kvrouter_in_flight_requests",
+            "Requests this router has sent to a replica and not finished.",
+            ["replica"],
+            registry=registry,
+        )
+        self.replica_healthy = Gauge(
+            "kvrouter_replica_healthy",
+            "1 when the replica is routable (breaker closed or half-open).",
+            ["replica"],
+            registry=registry,
+        )
+        self.breaker_opens = Counter(
+            "kvrouter_breaker_opens",
+            "Times a replica's circuit breaker opened.",
+            ["replica"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "kvrouter_retries",
+            "Attempts abandoned before any byte reached the client, by replica and reason.",
+            ["replica", "reason"],
+            registry=registry,
+        )
+        self.decision_seconds = Histogram(
+            "kvrouter_routing_decision_seconds",
+            "Time to choose a replica (index lookup and policy).",
+            buckets=DECISION_BUCKETS,
+            registry=registry,
+        )
+        self.predicted_cached_tokens = Counter(
+            "kvrouter_predicted_cached_tokens",
+            "Prompt tokens the router predicted the chosen replica had cached.",
+            ["replica"],
+            registry=registry,
+        )
+        self.actual_cached_tokens = Counter(
+            "kvrouter_actual_cached_tokens",
+            "Prompt tokens the engine reported as cached (usage.prompt_tokens_details.cached_tokens).",
+            ["replica"],
+            registry=registry,
+        )
+        self.cached_tokens_error = Histogram(
+            "kvrouter_cached_tokens_error",
+            "Actual minus predicted cached prompt tokens, per request with usage.",
+            ["replica"],
+            buckets=CACHED_ERROR_BUCKETS,
+            registry=registry,
+        )
+        self.scrape_errors = Counter(
+            "kvrouter_engine_scrape_errors",
+            "Failed scrapes of a replica's /metrics.",
+            ["replica"],
+            registry=registry,
+        )
+        self.probe_failures = Counter(
+            "kvrouter_health_probe_failures",
+            "Failed active /health probes.",
+            ["replica"],
+            registry=registry,
+        )
+        self._timers: dict[tuple[str, str], RouteTimers] = {}
+
+    def timers(self, replica: str, route: str) -> RouteTimers:
+        key = (replica, route)
+        timers = self._timers.get(key)
+        if timers is None:
+            timers = RouteTimers(self.ttft.labels(replica, route), self.duration.labels(replica, route))
+            self._timers[key] = timers
+        return timers
+
+    def observe_cached(self, replica: str, predicted: int, actual: int) -> None:
+        self.predicted_cached_tokens.labels(replica).inc(predicted)
+        self.actual_cached_tokens.labels(replica).inc(actual)
+        self.cached_tokens_error.labels(replica).observe(actual - predicted)

@@ -1,0 +1,471 @@
+"""Request handlers and the relay: the async shell around `Router`.
+
+A completion request is read (size-capped), parsed once (`parse_request`), turned into routing facts, and sent
+to the replica the policy picks. Connect failures, 5xx and 429 answers are retried on another replica — only
+while nothing has been written to the client. The answer is relayed as it arrives: SSE chunk by chunk, JSON
+bodies whole and unchanged. The load book gets a ticket at dispatch, `first_token` at the first body chunk and
+`finish` on every path out. A client that disconnects cancels its handler (the server runs with handler
+cancellation), which closes the upstream connection at once so the engine stops generating.
+
+Other endpoints: GET /v1/models merged from routable replicas; /health; /metrics; POST /debug/route (a dry run
+of the routing decision, guarded by `admin_token`); anything else is passed through to one routable replica.
+Knobs come from `Settings`: max_body_bytes, max_retries, max_concurrency, api_keys, admin_token,
+forward_authorization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvrouter.config import Settings
+from kvrouter.load import LoadBook, Ticket
+from kvrouter.metrics import RouterMetrics
+from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
+from kvrouter.replicas import ReplicaSet, ReplicaState
+from kvrouter.routing import Router, RoutingFacts
+from kvrouter.streaming import (
+    REQUEST_ID_HEADER,
+    UsageScanner,
+    cached_tokens_in_body,
+    downstream_headers,
+    upstream_headers,
+)
+
+log = logging.getLogger(__name__)
+
+EVENT_STREAM = "text/event-stream"
+_ROUTES: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+@dataclass(slots=True)
+class Refused:
+    """An attempt that may be retried elsewhere: nothing reached the client. `status` 0 means no answer."""
+
+    reason: str
+    status: int = 0
+    body: bytes = b""
+    headers: CIMultiDict[str] | None = None
+
+
+def error_response(error: RequestError, request_id: str | None = None) -> web.Response:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+def _bearer(request: web.Request) -> str:
+    value = request.headers.get("authorization", "")
+    return value[7:].strip() if value[:7].lower() == "bearer " else ""
+
+
+def _token_matches(token: str, accepted: list[str]) -> bool:
+    return any(hmac.compare_digest(token.encode(), key.encode()) for key in accepted)
+
+
+class Proxy:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        router: Router,
+        replicas: ReplicaSet,
+        load: LoadBook,
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.router = router
+        self.replicas = replicas
+        self.load = load
+        self.metrics = metrics
+        self.clock = clock
+        self.session: aiohttp.ClientSession | None = None
+        self.active = 0
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_post("/debug/route", self.debug_route)
+        app.router.add_post("/debug/route/{endpoint}", self.debug_route)
+        app.router.add_route("*", "/{tail:.*}", self.passthrough)
+
+    def _session(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "the client session starts with the application"
+        return self.session
+
+    # -- guards ---------------------------------------------------------------------------------------------
+
+    def _check_client(self, request: web.Request) -> None:
+        if self.settings.api_keys and not _token_matches(_bearer(request), self.settings.api_keys):
+            raise RequestError(
+                "invalid or missing API key", status=401, code="invalid_api_key", type_="authentication_error"
+            )
+
+    def _check_admin(self, request: web.Request) -> None:
+        token = self.settings.admin_token
+        if token is not None and not _token_matches(_bearer(request), [token]):
+            raise RequestError(
+                "admin token required", status=401, code="invalid_admin_token", type_="authentication_error"
+            )
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        too_large = RequestError(f"request body is larger than {limit} bytes", status=413, code="request_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+
+    # -- completions ----------------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._completion(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._completion(request, "completion")
+
+    async def _completion(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        start = self.clock()
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        if self.active >= self.settings.max_concurrency:
+            busy = RequestError("router is at its concurrency limit; retry later", status=429, code="overloaded")
+            return error_response(busy, request_id)
+        self.active += 1
+        try:
+            self._check_client(request)
+            raw = await self._read_body(request)
+            parsed = parse_request(endpoint, raw)
+            facts = await self.router.facts(parsed)
+            return await self._dispatch(request, raw, parsed, facts, request_id, start)
+        except RequestError as error:
+            return error_response(error, request_id)
+        finally:
+            self.active -= 1
+
+    async def _dispatch(
+        self,
+        request: web.Request,
+        raw: bytes,
+        parsed: ParsedRequest,
+        facts: RoutingFacts,
+        request_id: str,
+        start: float,
+    ) -> web.StreamResponse:
+        route = _ROUTES[parsed.endpoint]
+        tried: list[Any] = []
+        refused: Refused | None = None
+        for _attempt in range(self.settings.max_retries + 1):
+            candidates = self.replicas.routable(exclude=tried)
+            if not candidates:
+                break
+            began = self.clock()
+            decision = self.router.decide(facts, [replica.route for replica in candidates])
+            replica = self.replicas.by_name[decision.chosen]
+            ticket = self.router.commit(decision, facts, replica.route)
+            self.metrics.decision_seconds.observe(self.clock() - began)
+            chosen = decision.score_of(decision.chosen)
+            predicted = chosen.cached_tokens if chosen is not None else 0
+            tried.append(replica.name)
+            try:
+                outcome = await self._forward(request, raw, route, replica, ticket, predicted, request_id, start)
+            finally:
+                self.load.finish(ticket)
+            if not isinstance(outcome, Refused):
+                return outcome
+            refused = outcome
+            self.metrics.retries.labels(replica.name, "status" if outcome.status else "connect").inc()
+            log.info("request %s: %s refused (%s)", request_id, replica.name, outcome.reason)
+        if refused is not None and refused.status:
+            # Every attempt was refused with an answer: the client gets the last one, as the replica sent it.
+            headers = refused.headers or CIMultiDict()
+            self.metrics.requests.labels(tried[-1], route, str(refused.status)).inc()
+            return web.Response(status=refused.status, body=refused.body, headers=headers)
+        message = "no healthy replica is available" if refused is None else f"no replica answered: {refused.reason}"
+        self.metrics.requests.labels("none", route, "503").inc()
+        unavailable = RequestError(message, status=503, code="no_replica_available", type_="server_error")
+        return error_response(unavailable, request_id)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        raw: bytes,
+        route: str,
+        replica: ReplicaState,
+        ticket: Ticket,
+        predicted: int,
+        request_id: str,
+        start: float,
+    ) -> web.StreamResponse | Refused:
+        headers = upstream_headers(
+            request.headers,
+            request.headers.items(),
+            request_id,
+            forward_authorization=self.settings.forward_authorization,
+        )
+        try:
+            upstream = await self._session().post(replica.base_url + route, data=raw, headers=headers)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            reason = f"{type(error).__name__}: {error}"
+            self.replicas.record_failure(replica, reason)
+            return Refused(reason)
+        try:
+            status = upstream.status
+            if status >= 500 or status == 429:
+                try:
+                    body = await upstream.read()
+                except (aiohttp.ClientError, TimeoutError):
+                    body = b""
+                if status >= 500:
+                    self.replicas.record_failure(replica, f"answered {status}")
+                out_headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
+                return Refused(f"answered {status}", status, body, out_headers)
+            replica.record_success()
+            out_headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
+            if upstream.content_type == EVENT_STREAM:
+                return await self._relay_stream(
+                    request, upstream, out_headers, route, replica, ticket, predicted, start
+                )
+            body = await upstream.read()
+            self.load.first_token(ticket)
+            if "content-encoding" not in upstream.headers:
+                self._observe_cached(replica, predicted, cached_tokens_in_body(body))
+            self.metrics.requests.labels(replica.name, route, str(status)).inc()
+            self.metrics.timers(replica.name, route).duration.observe(self.clock() - start)
+            return web.Response(status=status, body=body, headers=out_headers)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            # The replica answered but the body broke before anything was sent on: still safe to retry.
+            reason = f"{type(error).__name__}: {error}"
+            self.replicas.record_failure(replica, reason)
+            return Refused(reason)
+        finally:
+            upstream.close()
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        headers: CIMultiDict[str],
+        route: str,
+        replica: ReplicaState,
+        ticket: Ticket,
+        predicted: int,
+        start: float,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        timers = self.metrics.timers(replica.name, route)
+        scanner = UsageScanner()
+        first = True
+        status = str(upstream.status)
+        try:
+            await response.prepare(request)
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, TimeoutError) as error:
+                    # Too late to retry: cut the client's connection so the truncation shows, not a clean end.
+                    status = "upstream_error"
+                    self.replicas.record_failure(replica, f"stream broke: {type(error).__name__}: {error}")
+                    if request.transport is not None:
+                        request.transport.close()
+                    return response
+                if not chunk:
+                    break
+                if first:
+                    first = False
+                    self.load.first_token(ticket)
+                    timers.ttft.observe(self.clock() - start)
+                scanner.feed(chunk)
+                await response.write(chunk)
+            await response.write_eof()
+        except ConnectionError:
+            status = "client_disconnect"
+        except asyncio.CancelledError:
+            status = "client_disconnect"
+            raise
+        finally:
+            self.metrics.requests.labels(replica.name, route, status).inc()
+            timers.duration.observe(self.clock() - start)
+            scanner.close()
+            self._observe_cached(replica, predicted, scanner.cached_tokens)
+        return response
+
+    def _observe_cached(self, replica: ReplicaState, predicted: int, actual: int | None) -> None:
+        if actual is not None:
+            self.metrics.observe_cached(replica.name, predicted, actual)
+
+    # -- the rest of the API --------------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._check_client(request)
+        except RequestError as error:
+            return error_response(error)
+        session = self._session()
+        timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s + 5.0)
+
+        async def fetch(replica: ReplicaState) -> list[dict[str, Any]]:
+            try:
+                async with session.get(f"{replica.base_url}/v1/models", timeout=timeout) as response:
+                    if response.status != 200:
+                        return []
+                    payload = await response.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return []
+            data = payload.get("data") if isinstance(payload, dict) else None
+            return [entry for entry in data if isinstance(entry, dict)] if isinstance(data, list) else []
+
+        answers = await asyncio.gather(*(fetch(replica) for replica in self.replicas.routable()))
+        merged: dict[str, dict[str, Any]] = {}
+        for entries in answers:
+            for entry in entries:
+                merged.setdefault(str(entry.get("id")), entry)
+        if not merged and not any(answers):
+            unavailable = RequestError(
+                "no healthy replica listed its models", status=503, code="no_replica_available", type_="server_error"
+            )
+            return error_response(unavailable)
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    async def health(self, request: web.Request) -> web.Response:
+        replicas = {}
+        for replica in self.replicas:
+            described = replica.describe()
+            described["in_flight"] = self.load.snapshot(replica.name).in_flight
+            replicas[replica.name] = described
+        routable = sum(1 for replica in self.replicas if replica.routable)
+        total = len(self.replicas.replicas)
+        status = "ok" if routable == total else "degraded" if routable else "unavailable"
+        body = {"status": status, "policy": self.router.policy.name, "replicas": replicas}
+        return web.json_response(body, status=200 if routable else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        self.replicas.update_gauges()
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def debug_route(self, request: web.Request) -> web.Response:
+        """The decision the router would make for this body, with every candidate's breakdown; sends nothing."""
+        try:
+            self._check_admin(request)
+            raw = await self._read_body(request)
+            endpoint = self._debug_endpoint(request, raw)
+            parsed = parse_request(endpoint, raw)
+            facts = await self.router.facts(parsed)
+        except RequestError as error:
+            return error_response(error)
+        candidates = self.replicas.routable()
+        if not candidates:
+            return error_response(
+                RequestError("no healthy replica is available", status=503, code="no_replica_available")
+            )
+        decision = self.router.decide(facts, [replica.route for replica in candidates])
+        return web.json_response(
+            {
+                "chosen": decision.chosen,
+                "policy": self.router.policy.name,
+                "endpoint": endpoint,
+                "prompt_tokens": facts.prompt_tokens,
+                "candidates": [
+                    {"replica": c.replica, "cached_tokens": c.cached_tokens, "score": c.score, **c.breakdown}
+                    for c in decision.candidates
+                ],
+            }
+        )
+
+    @staticmethod
+    def _debug_endpoint(request: web.Request, raw: bytes) -> Endpoint:
+        named = request.match_info.get("endpoint") or request.query.get("endpoint")
+        if named is not None:
+            if named in ("chat", "chat/completions", "chat_completions"):
+                return "chat"
+            if named in ("completion", "completions"):
+                return "completion"
+            raise RequestError("endpoint must be 'chat' or 'completion'", param="endpoint")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return "chat"  # parse_request reports the JSON problem
+        return "completion" if isinstance(body, dict) and "prompt" in body and "messages" not in body else "chat"
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Any other path goes, unchanged, to one routable replica (tokenize, detokenize, responses, ...)."""
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        try:
+            self._check_client(request)
+            raw = await self._read_body(request) if request.body_exists else None
+        except RequestError as error:
+            return error_response(error, request_id)
+        headers = upstream_headers(
+            request.headers,
+            request.headers.items(),
+            request_id,
+            forward_authorization=self.settings.forward_authorization,
+        )
+        tried: list[Any] = []
+        for _attempt in range(self.settings.max_retries + 1):
+            replica = self.replicas.for_passthrough(exclude=tried)
+            if replica is None:
+                break
+            tried.append(replica.name)
+            ticket = self.load.begin(replica.name, 0)
+            try:
+                try:
+                    upstream = await self._session().request(
+                        request.method, replica.base_url + request.rel_url.raw_path_qs, data=raw, headers=headers
+                    )
+                except (aiohttp.ClientError, TimeoutError) as error:
+                    self.replicas.record_failure(replica, f"{type(error).__name__}: {error}")
+                    continue
+                try:
+                    return await self._relay_any(request, upstream, replica, request_id, ticket)
+                finally:
+                    upstream.close()
+            finally:
+                self.load.finish(ticket)
+        unavailable = RequestError(
+            "no healthy replica is available", status=503, code="no_replica_available", type_="server_error"
+        )
+        return error_response(unavailable, request_id)
+
+    async def _relay_any(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        replica: ReplicaState,
+        request_id: str,
+        ticket: Ticket,
+    ) -> web.StreamResponse:
+        headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        try:
+            await response.prepare(request)
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, TimeoutError):
+                    if request.transport is not None:
+                        request.transport.close()
+                    return response
+                if not chunk:
+                    break
+                self.load.first_token(ticket)
+                await response.write(chunk)
+            await response.write_eof()
+        except ConnectionError:
+            pass  # the client left; closing `upstream` (the caller does) is all that is left to do
+        return response

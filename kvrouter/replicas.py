@@ -1,0 +1,240 @@
+"""Replica state: active /health probes, passive failure tracking, a circuit breaker, engine /metrics scraping.
+
+Each `ReplicaState` has a breaker fed by both paths — the proxy reports connect errors and 5xx answers
+(`record_failure`) and successes (`record_success`), and the prober does the same for every /health probe.
+`breaker_failures` consecutive failures open the breaker for `breaker_backoff_s`, doubling on every re-open up
+to `breaker_backoff_max_s`; once the back-off has passed the replica is half-open (routable again) and the
+next success closes it, the next failure re-opens it with a longer back-off. 429 answers are overload, not
+ill health, and do not count. The clock is a parameter so tests move time by hand.
+
+`ReplicaSet.run_probes` and `ReplicaSet.run_scrapes` are the background loops (started from the app factory's
+cleanup context). The scrape reads vLLM's Prometheus text once per `metrics_interval_s` and feeds
+`LoadBook.observe_engine` with waiting and running requests summed over the `engine` label (a data-parallel
+replica reports one series per engine) and KV-cache usage averaged over engines (it is a fraction per engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from kvrouter.config import FleetConfig, ReplicaConfig, Settings
+from kvrouter.load import EngineGauges, LoadBook
+from kvrouter.metrics import RouterMetrics
+from kvrouter.routing import Route
+from kvrouter.typedefs import ReplicaName
+
+log = logging.getLogger(__name__)
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerPolicy:
+    failures: int = 3
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+
+
+class ReplicaState:
+    """One replica: its configuration, its breaker and what the last probe saw."""
+
+    def __init__(
+        self, config: ReplicaConfig, block_size: int, breaker: BreakerPolicy, clock: Callable[[], float]
+    ) -> None:
+        self.config = config
+        self.name: ReplicaName = config.replica
+        self.base_url = config.base_url
+        self.route = Route(self.name, block_size, config.weight)
+        self._breaker = breaker
+        self._clock = clock
+        self.consecutive_failures = 0
+        self.opens = 0
+        self.open_until = 0.0
+        self._open = False
+        self.last_error: str | None = None
+        self.last_probe_ok: bool | None = None
+
+    @property
+    def state(self) -> BreakerState:
+        if not self._open:
+            return BreakerState.CLOSED
+        return BreakerState.OPEN if self._clock() < self.open_until else BreakerState.HALF_OPEN
+
+    @property
+    def routable(self) -> bool:
+        return not self._open or self._clock() >= self.open_until
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        if self._open:
+            self._open = False
+            self.opens = 0
+            log.info("replica %s recovered; breaker closed", self.name)
+
+    def record_failure(self, reason: str) -> bool:
+        """Count one failure; True when this failure opened (or re-opened) the breaker."""
+        self.last_error = reason
+        self.consecutive_failures += 1
+        half_open = self._open and self._clock() >= self.open_until
+        if half_open or (not self._open and self.consecutive_failures >= self._breaker.failures):
+            self.opens += 1
+            backoff = min(self._breaker.backoff_s * 2 ** (self.opens - 1), self._breaker.backoff_max_s)
+            self._open = True
+            self.open_until = self._clock() + backoff
+            log.warning("replica %s breaker open for %.1fs after: %s", self.name, backoff, reason)
+            return True
+        return False
+
+    def describe(self) -> dict[str, object]:
+        state = self.state
+        return {
+            "url": self.base_url,
+            "state": state.value,
+            "routable": self.routable,
+            "consecutive_failures": self.consecutive_failures,
+            "last_error": self.last_error,
+            "last_probe_ok": self.last_probe_ok,
+            "retry_in_s": round(max(0.0, self.open_until - self._clock()), 3) if state is BreakerState.OPEN else 0,
+        }
+
+
+class ReplicaSet:
+    """The fleet as the proxy sees it; the order is replicas.yaml's."""
+
+    def __init__(
+        self,
+        fleet: FleetConfig,
+        settings: Settings,
+        load: LoadBook,
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        breaker = BreakerPolicy(settings.breaker_failures, settings.breaker_backoff_s, settings.breaker_backoff_max_s)
+        self.replicas = [ReplicaState(r, fleet.block_size_of(r), breaker, clock) for r in fleet.replicas]
+        self.by_name = {r.name: r for r in self.replicas}
+        self._settings = settings
+        self._load = load
+        self._metrics = metrics
+        self._pass_turn = 0
+
+    def __iter__(self) -> Iterator[ReplicaState]:
+        return iter(self.replicas)
+
+    def routable(self, exclude: Sequence[ReplicaName] = ()) -> list[ReplicaState]:
+        return [r for r in self.replicas if r.name not in exclude and r.routable]
+
+    def record_failure(self, replica: ReplicaState, reason: str) -> None:
+        if replica.record_failure(reason):
+            self._metrics.breaker_opens.labels(replica.name).inc()
+
+    def for_passthrough(self, exclude: Sequence[ReplicaName] = ()) -> ReplicaState | None:
+        """A replica for a path the router does not route (tokenize, ...): the least busy, rotating ties."""
+        candidates = self.routable(exclude)
+        if not candidates:
+            return None
+        self._pass_turn += 1
+        turn = self._pass_turn
+        count = len(candidates)
+        return min(
+            enumerate(candidates),
+            key=lambda pair: (self._load.snapshot(pair[1].name).in_flight, (pair[0] - turn) % count),
+        )[1]
+
+    def update_gauges(self) -> None:
+        for replica in self.replicas:
+            self._metrics.replica_healthy.labels(replica.name).set(1.0 if replica.routable else 0.0)
+            self._metrics.in_flight.labels(replica.name).set(self._load.snapshot(replica.name).in_flight)
+
+    async def probe(self, session: aiohttp.ClientSession, replica: ReplicaState) -> bool:
+        timeout = aiohttp.ClientTimeout(total=max(self._settings.health_interval_s, 1.0))
+        try:
+            async with session.get(f"{replica.base_url}/health", timeout=timeout) as response:
+                await response.read()
+                ok = response.status == 200
+                reason = f"health probe answered {response.status}"
+        except (aiohttp.ClientError, TimeoutError) as error:
+            ok, reason = False, f"health probe failed: {type(error).__name__}: {error}"
+        replica.last_probe_ok = ok
+        if ok:
+            replica.record_success()
+        else:
+            self._metrics.probe_failures.labels(replica.name).inc()
+            self.record_failure(replica, reason)
+        return ok
+
+    async def run_probes(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.gather(*(self.probe(session, replica) for replica in self.replicas))
+            await asyncio.sleep(self._settings.health_interval_s)
+
+    async def scrape(self, session: aiohttp.ClientSession, replica: ReplicaState) -> EngineGauges | None:
+        timeout = aiohttp.ClientTimeout(total=max(self._settings.metrics_interval_s * 2, 1.0))
+        gauges: EngineGauges | None = None
+        try:
+            async with session.get(f"{replica.base_url}/metrics", timeout=timeout) as response:
+                if response.status == 200:
+                    gauges = parse_engine_gauges(await response.text())
+                else:
+                    await response.read()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            gauges = None
+        if gauges is None:
+            self._metrics.scrape_errors.labels(replica.name).inc()
+        self._load.observe_engine(replica.name, gauges)
+        return gauges
+
+    async def run_scrapes(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.gather(*(self.scrape(session, r) for r in self.replicas if r.routable))
+            await asyncio.sleep(self._settings.metrics_interval_s)
+
+
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+def parse_engine_gauges(text: str) -> EngineGauges | None:
+    """Waiting/running summed over engine series, KV usage averaged; None when the gauges are absent.
+
+    Only the three gauges are read, by a line scan: vLLM's exposition is large and a full parse once a second
+    per replica would be wasted work. Older vLLM names KV usage `gpu_cache_usage_perc`; either is accepted.
+    """
+    waiting = running = 0.0
+    usage: list[float] = []
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0:
+            continue
+        name = line[:name_end]
+        if name not in (WAITING, RUNNING, *KV_USAGE):
+            continue
+        try:
+            rest = line[line.rfind("}") + 1 :] if line[name_end] == "{" else line[name_end:]
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        seen = True
+        if name == WAITING:
+            waiting += value
+        elif name == RUNNING:
+            running += value
+        else:
+            usage.append(value)
+    if not seen:
+        return None
+    kv_usage = sum(usage) / len(usage) if usage else 0.0
+    return EngineGauges(waiting=int(waiting), running=int(running), kv_usage=kv_usage)
