@@ -1,0 +1,358 @@
+"""The prefix index: which replica holds which block, and how much of a prompt each replica holds (pure, sync).
+
+Layout. Every event source — a (replica, data-parallel rank) pair — gets a bit; so does each replica's
+provisional slot. One dict per tier maps a `BlockKey` to the bitmask of sources holding it there, and each source
+keeps its own engine-hash -> key dict so a `BlockRemoved` (which names only the engine's hash) maps back. The key
+int is shared by both dicts, and masks of up to eight sources are CPython's cached small ints, so a tracked block
+costs two dict slots and two 64-bit ints (measured by loadtest/bench_index.py).
+
+Lookup. `longest_prefixes` maps the request's keys to masks with C-level `map(dict.get)` in growing chunks,
+AND-accumulates them (`itertools.accumulate`), and finds where each source's bit drops out by bisecting the
+non-increasing accumulated masks — so the Python-level work is per replica, not per block, and it stops at the
+first chunk where no source is left. A replica's prefix is the longest over its sources (a request lands on one
+DP rank; a block in any tier of that rank counts, `gpu_blocks` counts only GPU and provisional blocks).
+
+Provisional entries (`add_provisional`) mark a routed request's keys on its replica for `provisional_ttl_s`, so
+a burst of siblings follows the first before the engine's events arrive; a real `BlockStored` for the key on
+that replica replaces the provisional mark, and expiry is lazy (checked against the `now` callers pass).
+
+Knobs: `provisional_ttl_s`; `max_blocks` (optional budget of tracked keys: beyond it the least recently stored
+or matched key is evicted from every replica — an evicted block is merely under-predicted).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import operator
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvrouter.routing import PrefixMatch
+from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
+
+_PROVISIONAL_RANK = -1
+_FIRST_CHUNK = 16
+_TIERS = tuple(Tier)
+
+
+@dataclass(slots=True)
+class _Source:
+    """One stream of engine state: a replica's DP rank, or the replica's provisional marks (rank -1)."""
+
+    replica: ReplicaName
+    rank: int
+    bit: int
+    blocks: dict[EngineBlockHash, BlockKey] = field(default_factory=dict)
+    provisional_until: dict[BlockKey, float] = field(default_factory=dict)
+
+
+class PrefixIndex:
+    def __init__(self, *, provisional_ttl_s: float = 5.0, max_blocks: int | None = None) -> None:
+        if max_blocks is not None and max_blocks < 1:
+            raise ValueError("max_blocks must be positive")
+        self.provisional_ttl_s = provisional_ttl_s
+        self.max_blocks = max_blocks
+        self._tiers: tuple[dict[BlockKey, int], ...] = tuple({} for _ in _TIERS)
+        self._gpu = self._tiers[Tier.GPU]
+        self._provisional: dict[BlockKey, int] = {}
+        self._sources: dict[tuple[ReplicaName, int], _Source] = {}
+        self._by_bit: dict[int, _Source] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 0
+        self._expiries: deque[tuple[float, _Source, tuple[BlockKey, ...]]] = deque()
+        self._stale_mappings = 0
+
+    # ---- sources -------------------------------------------------------------------------------------------
+
+    def _source(self, replica: ReplicaName, rank: int) -> _Source:
+        source = self._sources.get((replica, rank))
+        if source is None:
+            if self._free_bits:
+                bit_number = self._free_bits.pop()
+            else:
+                bit_number = self._next_bit
+                self._next_bit += 1
+            source = _Source(replica, rank, 1 << bit_number)
+            self._sources[(replica, rank)] = source
+            self._by_bit[source.bit] = source
+        return source
+
+    def _drop_source(self, source: _Source) -> None:
+        del self._sources[(source.replica, source.rank)]
+        del self._by_bit[source.bit]
+        self._free_bits.append(source.bit.bit_length() - 1)
+
+    # ---- events -------------------------------------------------------------------------------------------
+
+    def store_keys(
+        self,
+        replica: ReplicaName,
+        engine_hashes: Sequence[EngineBlockHash],
+        keys: Sequence[BlockKey],
+        tier: Tier = Tier.GPU,
+        *,
+        dp_rank: int = 0,
+    ) -> None:
+        """Record that `replica` (rank `dp_rank`) now holds `keys` in `tier`, under the engine's `engine_hashes`."""
+        if len(engine_hashes) != len(keys):
+            raise ValueError("engine_hashes and keys must have the same length")
+        source = self._source(replica, dp_rank)
+        bit = source.bit
+        table = self._tiers[tier]
+        get = table.get
+        budget = self.max_blocks
+        for key in keys:
+            mask = get(key)
+            if mask is None:
+                table[key] = bit
+            else:
+                if budget is not None:
+                    del table[key]  # re-insert at the end: dict order is the recency order
+                table[key] = mask | bit
+        source.blocks.update(zip(engine_hashes, keys, strict=True))
+        if self._provisional:
+            self._confirm(replica, keys)
+        if budget is not None:
+            self._enforce_budget(budget)
+
+    def key_of(self, replica: ReplicaName, engine_hash: EngineBlockHash, *, dp_rank: int = 0) -> BlockKey | None:
+        """kvrouter's key for a block the engine named `engine_hash`, if that block was stored and understood."""
+        source = self._sources.get((replica, dp_rank))
+        return None if source is None else source.blocks.get(engine_hash)
+
+    def remove_blocks(
+        self,
+        replica: ReplicaName,
+        engine_hashes: Iterable[EngineBlockHash],
+        tier: Tier = Tier.GPU,
+        *,
+        dp_rank: int = 0,
+    ) -> int:
+        """Forget blocks the engine evicted from `tier`; returns how many hashes were unknown."""
+        source = self._sources.get((replica, dp_rank))
+        if source is None:
+            return sum(1 for _ in engine_hashes)
+        unknown = 0
+        bit = source.bit
+        clear = ~bit
+        for engine_hash in engine_hashes:
+            key = source.blocks.get(engine_hash)
+            if key is None:
+                unknown += 1
+                continue
+            table = self._tiers[tier]
+            mask = table.get(key)
+            if mask is not None and mask & bit:
+                mask &= clear
+                if mask:
+                    table[key] = mask
+                else:
+                    del table[key]
+            if not any(t.get(key, 0) & bit for t in self._tiers):
+                del source.blocks[engine_hash]
+        return unknown
+
+    def clear(self, replica: ReplicaName, *, dp_rank: int | None = None) -> None:
+        """Drop the replica's blocks (one DP rank, or all ranks and its provisional marks)."""
+        for source in [s for s in self._sources.values() if s.replica == replica]:
+            if dp_rank is not None and source.rank != dp_rank:
+                continue
+            self._clear_source(source)
+
+    def remove_replica(self, replica: ReplicaName) -> None:
+        self.clear(replica)
+
+    def _clear_source(self, source: _Source) -> None:
+        bit = source.bit
+        clear = ~bit
+        if source.rank == _PROVISIONAL_RANK:
+            tables: Iterable[dict[BlockKey, int]] = (self._provisional,)
+            keys: Iterable[BlockKey] = source.provisional_until
+        else:
+            tables = self._tiers
+            keys = set(source.blocks.values())
+        for table in tables:
+            for key in keys:
+                mask = table.get(key)
+                if mask is not None and mask & bit:
+                    mask &= clear
+                    if mask:
+                        table[key] = mask
+                    else:
+                        del table[key]
+        self._drop_source(source)
+
+    # ---- provisional entries ------------------------------------------------------------------------------
+
+    def add_provisional(self, replica: ReplicaName, keys: Sequence[BlockKey], now: float) -> None:
+        if not keys or self.provisional_ttl_s <= 0:
+            return
+        self._expire(now)
+        source = self._source(replica, _PROVISIONAL_RANK)
+        until = now + self.provisional_ttl_s
+        bit = source.bit
+        table = self._provisional
+        marks = source.provisional_until
+        for key in keys:
+            table[key] = table.get(key, 0) | bit
+            marks[key] = until
+        self._expiries.append((until, source, tuple(keys)))
+
+    def _confirm(self, replica: ReplicaName, keys: Iterable[BlockKey]) -> None:
+        source = self._sources.get((replica, _PROVISIONAL_RANK))
+        if source is None:
+            return
+        marks = source.provisional_until
+        for key in keys:
+            if marks.pop(key, None) is not None:
+                self._unmark_provisional(key, source.bit)
+
+    def _unmark_provisional(self, key: BlockKey, bit: int) -> None:
+        mask = self._provisional.get(key, 0) & ~bit
+        if mask:
+            self._provisional[key] = mask
+        else:
+            self._provisional.pop(key, None)
+
+    def _expire(self, now: float) -> None:
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            _, source, keys = expiries.popleft()
+            if self._sources.get((source.replica, source.rank)) is not source:
+                continue  # the replica was cleared meanwhile
+            marks = source.provisional_until
+            for key in keys:
+                until = marks.get(key)
+                if until is not None and until <= now:
+                    del marks[key]
+                    self._unmark_provisional(key, source.bit)
+
+    # ---- budget -------------------------------------------------------------------------------------------
+
+    def _enforce_budget(self, budget: int) -> None:
+        tracked = sum(len(t) for t in self._tiers)
+        while tracked > budget:
+            table = next(t for t in self._tiers if t)
+            del table[next(iter(table))]
+            tracked -= 1
+            self._stale_mappings += 1
+        if self._stale_mappings > budget // 4 + 64:
+            self._drop_stale_mappings()
+
+    def _drop_stale_mappings(self) -> None:
+        """Evicted keys leave engine-hash mappings behind; sweep them once enough have piled up."""
+        tiers = self._tiers
+        for source in self._sources.values():
+            bit = source.bit
+            source.blocks = {
+                h: k for h, k in source.blocks.items() if any(t.get(k, 0) & bit for t in tiers)
+            }
+        self._stale_mappings = 0
+
+    def _touch(self, keys: Sequence[BlockKey]) -> None:
+        for table in self._tiers:
+            if not table:
+                continue
+            for key in keys:
+                mask = table.pop(key, None)
+                if mask is not None:
+                    table[key] = mask
+
+    # ---- lookup -------------------------------------------------------------------------------------------
+
+    def longest_prefixes(self, keys: Sequence[BlockKey], now: float) -> Mapping[ReplicaName, PrefixMatch]:
+        """For every replica holding at least the first key: its longest run of leading keys (all tiers, GPU)."""
+        if not keys:
+            return {}
+        self._expire(now)
+        lower = [t for t in self._tiers[1:] if t]
+        gpu_tables = [self._gpu, self._provisional] if self._provisional else [self._gpu]
+        gpu_lengths = self._prefix_lengths(keys, gpu_tables)
+        any_lengths = self._prefix_lengths(keys, gpu_tables + lower) if lower else gpu_lengths
+        result: dict[ReplicaName, PrefixMatch] = {}
+        for bit, blocks in any_lengths.items():
+            replica = self._by_bit[bit].replica
+            gpu_blocks = gpu_lengths.get(bit, 0)
+            best = result.get(replica)
+            if best is not None:
+                blocks, gpu_blocks = max(blocks, best.blocks), max(gpu_blocks, best.gpu_blocks)
+            result[replica] = PrefixMatch(blocks, gpu_blocks)
+        if self.max_blocks is not None and result:
+            self._touch(keys[: max(m.blocks for m in result.values())])
+        return result
+
+    @staticmethod
+    def _prefix_lengths(keys: Sequence[BlockKey], tables: Sequence[dict[BlockKey, int]]) -> dict[int, int]:
+        """Source bit -> number of leading `keys` whose mask (OR over `tables`) has that bit."""
+        lengths: dict[int, int] = {}
+        total = len(keys)
+        start = 0
+        size = _FIRST_CHUNK
+        alive = 0
+        zeros = itertools.repeat(0)
+        first, rest = tables[0], tables[1:]
+        neg = operator.neg
+        while start < total:
+            chunk = keys[start : start + size]
+            masks = list(map(first.get, chunk, zeros))
+            for table in rest:
+                masks = list(map(operator.or_, masks, map(table.get, chunk, zeros)))
+            if start == 0:
+                accumulated = list(itertools.accumulate(masks, operator.and_))
+                alive = accumulated[0]
+            else:
+                accumulated = list(itertools.accumulate(masks, operator.and_, initial=alive))[1:]
+            # `accumulated` only ever loses bits, so as numbers it never increases: bisect on its negation to
+            # jump straight to each point where some source drops out.
+            position = 0
+            while alive:
+                drop = bisect.bisect_right(accumulated, -alive, lo=position, key=neg)
+                if drop == len(accumulated):
+                    break
+                remaining = accumulated[drop]
+                dropped = alive & ~remaining
+                length = start + drop
+                while dropped:
+                    low = dropped & -dropped
+                    lengths[low] = length
+                    dropped ^= low
+                alive = remaining
+                position = drop
+            if not alive:
+                return lengths
+            start += size
+            size *= 4
+        while alive:
+            low = alive & -alive
+            lengths[low] = total
+            alive ^= low
+        return lengths
+
+    # ---- introspection ------------------------------------------------------------------------------------
+
+    def blocks_of(self, replica: ReplicaName) -> int:
+        """Blocks tracked for `replica` from its events (all DP ranks, provisional marks excluded)."""
+        return sum(
+            len(s.blocks) for s in self._sources.values() if s.replica == replica and s.rank != _PROVISIONAL_RANK
+        )
+
+    def block_counts(self) -> dict[ReplicaName, int]:
+        counts: dict[ReplicaName, int] = {}
+        for source in self._sources.values():
+            if source.rank != _PROVISIONAL_RANK:
+                counts[source.replica] = counts.get(source.replica, 0) + len(source.blocks)
+        return counts
+
+    def replicas(self) -> set[ReplicaName]:
+        return {s.replica for s in self._sources.values()}
+
+    def __len__(self) -> int:
+        """Distinct keys tracked (any tier, provisional marks excluded)."""
+        if not any(self._tiers[1:]):
+            return len(self._gpu)
+        return len(set().union(*self._tiers))
+
+
+__all__ = ["PrefixIndex"]
