@@ -126,12 +126,33 @@ class ReplicaSet:
         self._load = load
         self._metrics = metrics
         self._pass_turn = 0
+        self._breaker = breaker
+        self._clock = clock
+        self.draining: set[ReplicaName] = set()
+        """Drained by an operator (kvrouter.admin): healthy, but no new request goes there."""
 
     def __iter__(self) -> Iterator[ReplicaState]:
         return iter(self.replicas)
 
     def routable(self, exclude: Sequence[ReplicaName] = ()) -> list[ReplicaState]:
-        return [r for r in self.replicas if r.name not in exclude and r.routable]
+        return [r for r in self.replicas if r.name not in exclude and r.routable and r.name not in self.draining]
+
+    def add(self, config: ReplicaConfig, block_size: int) -> ReplicaState:
+        """A replica joins (live reload). The list is replaced, never mutated, so running loops keep theirs."""
+        state = ReplicaState(config, block_size, self._breaker, self._clock)
+        self.replicas = [*(r for r in self.replicas if r.name != state.name), state]
+        self.by_name = {**self.by_name, state.name: state}
+        return state
+
+    def remove(self, name: ReplicaName) -> ReplicaState | None:
+        """A replica leaves: no new requests; requests in flight keep the state object they hold and finish."""
+        state = self.by_name.get(name)
+        if state is None:
+            return None
+        self.replicas = [r for r in self.replicas if r.name != name]
+        self.by_name = {n: r for n, r in self.by_name.items() if n != name}
+        self.draining.discard(name)
+        return state
 
     def record_failure(self, replica: ReplicaState, reason: str) -> None:
         if replica.record_failure(reason):
