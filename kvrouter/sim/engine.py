@@ -1,0 +1,323 @@
+"""A vLLM-v1-like engine model: continuous batching over a prefix-cached paged KV cache (pure, clock-free).
+
+One `step(now)` is one scheduler pass as vLLM v1 makes it (FCFS policy, chunked prefill on):
+
+1. Running requests, in order, each get the tokens they still need (1 when decoding, the rest of the prompt when
+   prefilling) capped by the pass's token budget (`max_num_batched_tokens`). When the cache cannot give a request
+   its blocks, the most recently admitted running request is preempted (blocks freed, progress dropped, put back
+   at the head of the waiting queue) until it can, or the request preempts itself.
+2. If nothing was preempted, waiting requests are admitted in order while the budget lasts, `max_num_seqs` is
+   not reached and the cache has room: each first looks up its prefix (at most `prompt - 1` tokens, whole blocks;
+   every lookup counts in the prefix-cache query/hit counters, except a preempted request's, as in vLLM's
+   PrefixCacheStats), then gets the remaining tokens up to the budget (chunked prefill).
+3. Blocks that become full when scheduled are cached at once (so a request admitted later in the same pass
+   already hits them), including blocks filled by generated tokens.
+4. The pass takes `timing.step_time(...)` seconds; every request whose known tokens are all computed emits one
+   token at its end; a request that reached `max_tokens` finishes and frees its blocks (tail first).
+
+Knobs: `max_num_seqs`, `max_num_batched_tokens`, `num_blocks` and `block_size` (the cache), `timing` (a profile),
+`hash_seed` (the root of the engine's own block hashes). Work per pass is O(scheduled requests + blocks that
+change); tokens are never materialised unless the request came with token ids.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Protocol
+
+from kvrouter.sim.cache import PrefixCache
+from kvrouter.sim.hashing import hash_block, hash_label, root_hash
+from kvrouter.sim.model import EngineGaugesSnapshot, EngineRequest, StepResult, StoredBlocks
+
+
+class StepTiming(Protocol):
+    def step_time(
+        self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_attention: float
+    ) -> float:
+        """Seconds for one pass: prompt tokens computed, decoding sequences, tokens of KV read by attention,
+        and sum over prefill chunks of chunk length x mean context of the chunk (the quadratic part)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    num_blocks: int = 4096
+    """Usable KV blocks (vLLM's num_gpu_blocks minus the null block)."""
+    block_size: int = 16
+
+
+class _Seq:
+    __slots__ = (
+        "blocks",
+        "hashes",
+        "label_base",
+        "max_tokens",
+        "num_computed",
+        "num_output",
+        "num_tokens",
+        "preemptions",
+        "prompt_len",
+        "reported",
+        "request",
+        "unhashed",
+    )
+
+    def __init__(self, request: EngineRequest) -> None:
+        self.request = request
+        self.prompt_len = request.prompt_len
+        self.max_tokens = request.max_tokens
+        self.hashes: list[int] = list(request.block_hashes)
+        self.num_tokens = request.prompt_len
+        self.num_computed = 0
+        self.num_output = 0
+        self.blocks: list[int] = []
+        """Ids of this request's hashed (full) blocks, in order; `unhashed` more blocks follow them."""
+        self.unhashed = 0
+        self.preemptions = 0
+        self.reported = False
+        self.label_base = -1
+
+    def token_slice(self, start: int, end: int) -> tuple[int, ...] | None:
+        """Tokens [start, end) of prompt + output, when the request carries real tokens."""
+        prompt = self.request.token_ids
+        if prompt is None:
+            return None
+        if end <= self.prompt_len:
+            return tuple(prompt[start:end])
+        head = tuple(prompt[start : self.prompt_len]) if start < self.prompt_len else ()
+        out_start = max(0, start - self.prompt_len)
+        out_end = end - self.prompt_len
+        outputs = self.request.output_token_ids
+        if outputs is None or len(outputs) < out_end:
+            # No chosen outputs: a fixed filler token keeps events well-formed (hashes still differ per request
+            # only through the prompt, as they would for a deterministic model).
+            filler = prompt[-1] if len(prompt) else 0
+            return head + (filler,) * (out_end - out_start)
+        return head + tuple(outputs[out_start:out_end])
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class VllmEngine:
+    """The vLLM v1 engine model; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig, timing: StepTiming, *, hash_seed: int = 0) -> None:
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.config = config
+        self.timing = timing
+        self.block_size = config.block_size
+        self.cache = PrefixCache(config.num_blocks, config.block_size)
+        self.hash_seed = hash_seed
+        self._root = root_hash(hash_seed)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._seqs: dict[str, _Seq] = {}
+        self._queries = 0
+        self._hits = 0
+
+    # -- EngineModel ---------------------------------------------------------------------------------------
+
+    def add(self, request: EngineRequest) -> None:
+        if request.request_id in self._seqs:
+            raise ValueError(f"request {request.request_id!r} is already in the engine")
+        if request.prompt_len < 1 or request.max_tokens < 1:
+            raise ValueError("a request needs at least one prompt token and max_tokens >= 1")
+        needed = _cdiv(request.prompt_len + request.max_tokens - 1, self.block_size)
+        if needed > self.config.num_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks, the cache has {self.config.num_blocks}; it could never run"
+            )
+        seq = _Seq(request)
+        self._seqs[request.request_id] = seq
+        self._waiting.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        if seq in self._running:
+            self._running.remove(seq)
+            self._release(seq)
+        else:
+            self._waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.cache.reset()
+
+    def gauges(self) -> EngineGaugesSnapshot:
+        return EngineGaugesSnapshot(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_usage=self.cache.usage(),
+            prefix_queries=self._queries,
+            prefix_hits=self._hits,
+        )
+
+    def step(self, now: float) -> StepResult:
+        result = StepResult(duration=0.0)
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[_Seq, int]] = []
+        preempted = self._schedule_running(scheduled, budget, result)
+        budget -= sum(new for _, new in scheduled)
+        if not preempted:
+            self._schedule_waiting(scheduled, budget, result)
+        result.duration = self._execute(scheduled, result)
+        result.events = self.cache.events
+        self.cache.events = []
+        return result
+
+    # -- scheduling ----------------------------------------------------------------------------------------
+
+    def _schedule_running(self, scheduled: list[tuple[_Seq, int]], budget: int, result: StepResult) -> bool:
+        running = self._running
+        cache = self.cache
+        block_size = self.block_size
+        preempted = False
+        index = 0
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            new = seq.num_tokens - seq.num_computed
+            if new > budget:
+                new = budget
+            need = _cdiv(seq.num_computed + new, block_size) - len(seq.blocks) - seq.unhashed
+            while need > cache.free_blocks:
+                victim = running.pop()
+                self._preempt(victim)
+                result.preempted.append(victim.request.request_id)
+                preempted = True
+                if victim is seq:
+                    return True  # it was the last running request and gave up its own blocks
+            if need > 0:
+                cache.allocate(need)
+                seq.unhashed += need
+            self._cache_full_blocks(seq, seq.num_computed + new)
+            scheduled.append((seq, new))
+            budget -= new
+            index += 1
+        return preempted
+
+    def _schedule_waiting(self, scheduled: list[tuple[_Seq, int]], budget: int, result: StepResult) -> None:
+        waiting = self._waiting
+        running = self._running
+        cache = self.cache
+        block_size = self.block_size
+        max_seqs = self.config.max_num_seqs
+        while waiting and budget > 0 and len(running) < max_seqs:
+            seq = waiting[0]
+            hits = cache.lookup(seq.hashes, (seq.num_tokens - 1) // block_size)
+            hit_tokens = len(hits) * block_size
+            if seq.preemptions == 0:
+                self._queries += seq.num_tokens
+                self._hits += hit_tokens
+            new = seq.num_tokens - hit_tokens
+            if new > budget:
+                new = budget
+            need = _cdiv(hit_tokens + new, block_size) - len(hits)
+            if need + cache.evictable(hits) > cache.free_blocks:
+                break
+            waiting.popleft()
+            cache.touch(hits)
+            seq.blocks = hits
+            cache.allocate(need)
+            seq.unhashed = need
+            seq.num_computed = hit_tokens
+            if not seq.reported:
+                seq.reported = True
+                result.cached_tokens[seq.request.request_id] = hit_tokens
+            self._cache_full_blocks(seq, hit_tokens + new)
+            running.append(seq)
+            scheduled.append((seq, new))
+            budget -= new
+
+    def _cache_full_blocks(self, seq: _Seq, tokens_after: int) -> None:
+        """Hash and cache the blocks that `tokens_after` computed tokens fill (vLLM caches at scheduling)."""
+        first = len(seq.blocks)
+        full = tokens_after // self.block_size
+        if full <= first:
+            return
+        block_size = self.block_size
+        hashes = seq.hashes
+        cache = self.cache
+        for index in range(first, full):
+            if index == len(hashes):
+                hashes.append(self._output_block_hash(seq, index))
+            seq.blocks.append(cache.commit(hashes[index]))
+        seq.unhashed -= full - first
+        request = seq.request
+        cache.events.append(
+            StoredBlocks(
+                block_hashes=tuple(hashes[first:full]),
+                parent_hash=hashes[first - 1] if first else None,
+                token_ids=seq.token_slice(first * block_size, full * block_size),
+                block_size=block_size,
+                cache_salt=request.cache_salt if first == 0 else None,
+            )
+        )
+
+    def _output_block_hash(self, seq: _Seq, index: int) -> int:
+        parent = seq.hashes[index - 1] if index else self._root
+        tokens = seq.token_slice(index * self.block_size, (index + 1) * self.block_size)
+        if tokens is not None:
+            return hash_block(parent, tokens, seq.request.cache_salt if index == 0 else None)
+        if seq.label_base < 0:
+            digest = blake2b(seq.request.request_id.encode(), digest_size=7).digest()
+            seq.label_base = int.from_bytes(digest, "little") << 8
+        return hash_label(parent, seq.label_base + index)
+
+    def _preempt(self, seq: _Seq) -> None:
+        self._release(seq)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self._waiting.appendleft(seq)
+
+    def _release(self, seq: _Seq) -> None:
+        self.cache.free(seq.blocks, seq.unhashed)
+        seq.blocks = []
+        seq.unhashed = 0
+
+    # -- execution -----------------------------------------------------------------------------------------
+
+    def _execute(self, scheduled: Sequence[tuple[_Seq, int]], result: StepResult) -> float:
+        prefill_tokens = 0
+        decode_seqs = 0
+        context = 0
+        attention = 0.0
+        finished = False
+        tokens = result.tokens
+        for seq, new in scheduled:
+            before = seq.num_computed
+            if new == 1 and seq.num_output and before == seq.num_tokens - 1:
+                decode_seqs += 1
+            else:
+                prefill_tokens += new
+                attention += new * (before + new / 2)
+            after = before + new
+            context += after
+            seq.num_computed = after
+            if after == seq.num_tokens:
+                rid = seq.request.request_id
+                if seq.num_output == 0:
+                    result.first_tokens.append(rid)
+                seq.num_output += 1
+                seq.num_tokens += 1
+                tokens.append(rid)
+                if seq.num_output >= seq.max_tokens:
+                    result.finished.append(rid)
+                    self._release(seq)
+                    del self._seqs[rid]
+                    seq.num_computed = -1
+                    finished = True
+        if finished:
+            self._running = [seq for seq in self._running if seq.num_computed >= 0]
+        return self.timing.step_time(prefill_tokens, decode_seqs, context, attention)

