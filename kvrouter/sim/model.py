@@ -27,6 +27,9 @@ class EngineRequest:
     arrival: float
     token_ids: Sequence[int] | None = None
     cache_salt: str | None = None
+    output_token_ids: Sequence[int] | None = None
+    """The tokens the request will generate, when the driver chose them (the server does); blocks filled during
+    decode are hashed over them and BlockStored carries them. Without them such blocks get synthetic hashes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,9 @@ class StoredBlocks:
     parent_hash: int | None
     token_ids: tuple[int, ...] | None
     block_size: int
+    cache_salt: str | None = None
+    """Set when these blocks start at the prompt's first block and the request had a salt (vLLM puts it in that
+    block's `extra_keys`)."""
 
 
 @dataclass(frozen=True, slots=True)
