@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -101,7 +102,15 @@ class Proxy:
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_post("/debug/route", self.debug_route)
         app.router.add_post("/debug/route/{endpoint}", self.debug_route)
-        app.router.add_route("*", "/{tail:.*}", self.passthrough)
+        # Unmatched paths go to a replica through a middleware rather than a catch-all route, so routes that
+        # other modules register later (admin, readiness) are never shadowed.
+        app.middlewares.append(self.passthrough_unmatched)
+
+    @web.middleware
+    async def passthrough_unmatched(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if isinstance(request.match_info.http_exception, web.HTTPNotFound):
+            return await self.passthrough(request)
+        return await handler(request)
 
     def _session(self) -> aiohttp.ClientSession:
         assert self.session is not None, "the client session starts with the application"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 
 @dataclass
@@ -46,7 +47,7 @@ class FakeBehaviour:
 class SeenRequest:
     method: str
     path: str
-    headers: dict[str, str]
+    headers: CIMultiDict[str]
     body: bytes
 
     def json(self) -> Any:
@@ -103,7 +104,7 @@ class FakeReplica:
 
     async def _record(self, request: web.Request) -> tuple[SeenRequest, dict[str, Any]]:
         raw = await request.read()
-        seen = SeenRequest(request.method, request.path, dict(request.headers), raw)
+        seen = SeenRequest(request.method, request.path, CIMultiDict(request.headers), raw)
         self.seen.append(seen)
         try:
             body = json.loads(raw) if raw else {}
