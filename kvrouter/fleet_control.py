@@ -1,0 +1,135 @@
+"""The admin API's hands on a running router: `FleetHooks` implemented over the app's own parts.
+
+`AppFleetHooks` adds and removes replicas in the `ReplicaSet` (which the proxy, the prober and the scraper read),
+forgets a removed replica's load and index entries and stale metric series, flips drain flags, and asks the
+KV-event source (when it can follow replicas one by one: `EventFollower`) to start or stop following a replica.
+An event source that cannot leaves new replicas routed on load alone until the next restart; that is logged.
+`install_admin` is the one call the app factory makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from kvrouter.admin import AdminMetrics, FleetAdmin, Readiness, setup_admin
+from kvrouter.config import FleetConfig, ReplicaConfig
+from kvrouter.load import LoadBook
+from kvrouter.metrics import RouterMetrics
+from kvrouter.replicas import ReplicaSet
+from kvrouter.routing import Route
+from kvrouter.typedefs import ReplicaName
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class IndexControl(Protocol):
+    def remove_replica(self, replica: ReplicaName) -> None: ...
+
+    def blocks_of(self, replica: ReplicaName) -> int: ...
+
+
+@runtime_checkable
+class EventFollower(Protocol):
+    """An event source that can follow one more replica, or stop following one, while it runs."""
+
+    async def follow(self, fleet: FleetConfig, replica: ReplicaConfig) -> None: ...
+
+    async def unfollow(self, replica: ReplicaName) -> None: ...
+
+
+class AppFleetHooks:
+    def __init__(
+        self,
+        *,
+        replicas: ReplicaSet,
+        load: LoadBook,
+        metrics: RouterMetrics,
+        index: object | None = None,
+        events: object | None = None,
+    ) -> None:
+        self.replicas = replicas
+        self.load = load
+        self.metrics = metrics
+        self.index = index if isinstance(index, IndexControl) else None
+        self.events = events if isinstance(events, EventFollower) else None
+
+    def describe_replicas(self) -> list[dict[str, object]]:
+        views: list[dict[str, object]] = []
+        for state in self.replicas:
+            load = {key: value for key, value in asdict(self.load.snapshot(state.name)).items() if value is not None}
+            view: dict[str, object] = {"name": state.name, **state.describe()}
+            view["weight"] = state.route.weight
+            view["block_size"] = state.route.block_size
+            view["in_flight"] = load.get("in_flight", 0)
+            view["load"] = load
+            if self.index is not None:
+                view["cached_blocks"] = self.index.blocks_of(state.name)
+            views.append(view)
+        return views
+
+    def in_flight(self, name: ReplicaName) -> int:
+        return self.load.snapshot(name).in_flight
+
+    def set_draining(self, name: ReplicaName, draining: bool) -> None:
+        if draining:
+            self.replicas.draining.add(name)
+        else:
+            self.replicas.draining.discard(name)
+
+    async def add_replica(self, fleet: FleetConfig, replica: ReplicaConfig) -> None:
+        self.replicas.add(replica, fleet.block_size_of(replica))
+        if self.events is not None:
+            await self.events.follow(fleet, replica)
+        elif replica.kv_events is not None:
+            log.warning(
+                "replica %s added; this event source cannot follow replicas live, so it is routed on load "
+                "only until the router restarts",
+                replica.name,
+            )
+
+    async def remove_replica(self, name: ReplicaName) -> None:
+        self.replicas.remove(name)
+        if self.events is not None:
+            await self.events.unfollow(name)
+        if self.index is not None:
+            self.index.remove_replica(name)
+        self.load.forget(name)
+        for gauge in (self.metrics.replica_healthy, self.metrics.in_flight):
+            with contextlib.suppress(KeyError):
+                gauge.remove(name)
+
+    def reweight_replica(self, fleet: FleetConfig, replica: ReplicaConfig) -> None:
+        state = self.replicas.by_name.get(replica.replica)
+        if state is not None:
+            state.route = Route(state.name, fleet.block_size_of(replica), replica.weight)
+            state.config = replica
+
+
+def install_admin(
+    app: web.Application,
+    *,
+    fleet: FleetConfig,
+    fleet_path: Path | None,
+    admin_token: str | None,
+    replicas: ReplicaSet,
+    load: LoadBook,
+    metrics: RouterMetrics,
+    registry: CollectorRegistry,
+    index: object | None = None,
+    events: object | None = None,
+    reload_on_sighup: bool = True,
+) -> tuple[FleetAdmin, Readiness]:
+    """Wire the admin API and /ready into `app`; parts of the app add readiness checks to the returned object."""
+    hooks = AppFleetHooks(replicas=replicas, load=load, metrics=metrics, index=index, events=events)
+    admin = FleetAdmin(fleet=fleet, fleet_path=fleet_path, hooks=hooks, metrics=AdminMetrics(registry))
+    readiness = setup_admin(app, admin, token=admin_token, reload_on_sighup=reload_on_sighup)
+    readiness.add("fleet", lambda: bool(admin.fleet.replicas) or "no replicas configured")
+    return admin, readiness
