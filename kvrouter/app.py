@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvrouter.config import FleetConfig, Settings
+from kvrouter.fleet_control import install_admin
 from kvrouter.load import LoadBook
 from kvrouter.metrics import RouterMetrics
 from kvrouter.policies import build_policy
@@ -92,6 +93,10 @@ def create_app(
     app[REPLICAS] = replicas
     app[PROXY] = proxy
     proxy.add_routes(app)
+    install_admin(
+        app, fleet=fleet, fleet_path=settings.replicas, admin_token=settings.admin_token, replicas=replicas,
+        load=load, metrics=metrics, registry=metrics.registry, index=prefix.index,
+    )
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_replica_watch)
     app.cleanup_ctx.extend(prefix.contexts)
