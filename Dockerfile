@@ -52,9 +52,10 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/kvrouter
 EXPOSE 8000
-# Liveness only: /health answers while the process serves. Orchestrators gate traffic on GET /ready
-# (replicas known and the prefix index loaded), see deploy/kubernetes/router.yaml.
+# Liveness only: any HTTP answer from /health means the process serves (it answers 503 while no replica is
+# routable, which a restart would not fix). The same check fits `kvrouter sim`; the relay serves no HTTP, so its
+# deployments disable it. Orchestrators gate traffic on GET /ready (fleet known, prefix index loaded).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('KVROUTER_PORT', '8000') + '/health', timeout=2)"]
+    CMD ["python", "-c", "import os, urllib.error, urllib.request\ntry:\n    urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('KVROUTER_PORT', '8000') + '/health', timeout=2)\nexcept urllib.error.HTTPError:\n    pass"]
 ENTRYPOINT ["kvrouter"]
 CMD ["--replicas", "/etc/kvrouter/replicas.yaml"]

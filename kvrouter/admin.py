@@ -10,8 +10,10 @@ answer 403: a router is never steerable by accident):
 * ``POST /admin/replicas/{name}/undrain`` — routable again.
 * ``POST /admin/reload`` — re-read replicas.yaml and apply it live; SIGHUP does the same.
 
-And, open because kubelets and load balancers call it: ``GET /ready`` — 200 once every readiness check passes
-(the fleet is loaded, the event source has delivered the prefix index), else 503 naming the failing checks.
+And, open because kubelets and load balancers call them: ``GET /ready`` — 200 once every readiness check passes
+(the fleet is loaded, the event source has delivered the prefix index), else 503 naming the failing checks; and
+``GET /live`` — 200 while the event loop answers (liveness must not fail when the replicas do: /health answers
+503 when no replica is routable, and restarting the router would not help).
 
 A reload is planned purely (`plan_reload`) and applied through `FleetHooks`, which the app factory implements
 over its replica set, load book, index and event sources. Added replicas start probing and following events;
@@ -372,12 +374,17 @@ async def ready(request: web.Request) -> web.Response:
     return web.json_response({"ready": is_ready, "checks": checks}, status=200 if is_ready else 503)
 
 
+async def live(request: web.Request) -> web.Response:
+    return web.json_response({"live": True})
+
+
 def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/replicas", _guarded(list_replicas))
     app.router.add_post("/admin/replicas/{name}/drain", _guarded(drain_replica))
     app.router.add_post("/admin/replicas/{name}/undrain", _guarded(undrain_replica))
     app.router.add_post("/admin/reload", _guarded(reload_fleet))
     app.router.add_get("/ready", ready)
+    app.router.add_get("/live", live)
 
 
 def setup_admin(
