@@ -1,0 +1,386 @@
+"""`kvrouter bench`: the same workload through each routing policy (and other routers), side by side.
+
+For every row — each `--policies` entry, each `--router-cmd`, each `--target` — the bench starts fresh simulated
+replicas (cold caches, `kvrouter sim`) and a fresh router in front of them, runs Locust headless as a
+subprocess on the identical schedule (same seed, same arrivals, same bytes), samples the replicas' /metrics
+every second while it runs, and afterwards writes into `--out`: report.json, report.md, ttft_cdf.png,
+ttft_over_time.png, replica_load.png, and per row the Locust CSVs, the per-request records and the logs.
+
+Time: `--duration` is wall seconds of arrivals per row. `--time-scale X` runs the simulated engines X times
+faster than real time (below 1: slower, which spares a small machine the streaming load); arrival rates,
+think times and the trace speed-up are given in engine time and scaled here, and the report shows engine time.
+
+`--router-cmd 'NAME=COMMAND'` runs another router in front of the same kind of fleet; COMMAND is a template
+with {port}, {worker_urls} (space-separated), {worker_urls_csv}, {replicas_file} and {kv_event_sources}
+(NAME=tcp://HOST:PORT, space-separated); see docs/benchmarks.md for the commands used with smg,
+sglang-router and vllm-router. `--target 'NAME=URL'` load-tests an endpoint that is already running (no
+simulator; replica metrics only from `--target-metrics`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvrouter.config import POLICY_NAMES
+from kvrouter.loadgen.fleet import (
+    Child,
+    FleetError,
+    SimFleet,
+    free_port_range,
+    locust_argv,
+    scrape,
+    start_child,
+    start_kvrouter,
+    start_router_cmd,
+    start_sim,
+)
+from kvrouter.loadgen.report import LoadSample, RowData, console_table, counter_deltas, read_records, summarize
+from kvrouter.loadgen.workloads import WORKLOADS, WorkloadParams, build_schedule, count_requests
+
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake" / ("conversation_trace.jsonl")
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RowSpec:
+    name: str
+    kind: str
+    """"policy", "router-cmd" or "target"."""
+    value: str
+    """Policy name, command template or URL."""
+
+
+@dataclass(slots=True)
+class BenchPlan:
+    workload: str
+    params: WorkloadParams
+    """Wall-clock workload parameters (engine-time knobs already scaled)."""
+    rows: list[RowSpec]
+    out: Path
+    replicas: int
+    profile: str
+    time_scale: float
+    users: int
+    drain_s: float
+    slo_ttft_s: float
+    tokenizer: Path | None
+    sim_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    target_metrics: list[str] = field(default_factory=list)
+    quiet: bool = False
+
+    def locust_flags(self) -> list[str]:
+        p = self.params
+        flags = ["--kv-workload", self.workload, "--kv-seed", str(p.seed), "--kv-duration", str(p.duration_s),
+                 "--kv-rate", str(p.rate), "--kv-tenants", str(p.tenants), "--kv-system-tokens", str(p.system_tokens),
+                 "--kv-output-tokens", str(p.output_tokens), "--kv-turns", str(p.turns), "--kv-think", str(p.think_s),
+                 "--kv-trace-speedup", str(p.trace_speedup), "--kv-trace-start", str(p.trace_start_s),
+                 "--kv-vocab", str(p.vocab_high)]  # fmt: skip
+        if p.trace is not None:
+            flags += ["--kv-trace", str(p.trace)]
+        return flags
+
+    def parameters(self) -> dict[str, Any]:
+        p = self.params
+        scale = self.time_scale
+        return {
+            "workload": self.workload,
+            "replicas": self.replicas,
+            "profile": self.profile,
+            "time_scale": scale,
+            "wall_duration_s": p.duration_s,
+            "engine_duration_s": p.duration_s * scale,
+            "seed": p.seed,
+            "rate_per_engine_s": p.rate / scale,
+            "tenants": p.tenants,
+            "system_tokens": p.system_tokens,
+            "output_tokens": p.output_tokens,
+            "turns": p.turns,
+            "think_engine_s": p.think_s * scale,
+            "trace": str(p.trace) if p.trace else None,
+            "trace_speedup_engine": p.trace_speedup / scale,
+            "trace_start_s": p.trace_start_s,
+            "users": self.users,
+            "slo_ttft_s": self.slo_ttft_s,
+            "rows": {row.name: f"{row.kind}: {row.value}" for row in self.rows},
+            "command": " ".join(sys.argv),
+        }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="multi-tenant", choices=sorted(WORKLOADS))
+    parser.add_argument("--replicas", type=int, default=4, help="Simulated replicas per row.")
+    parser.add_argument("--profile", default="b200x4-moe-1t", help="Simulator profile.")
+    parser.add_argument("--duration", type=float, default=60.0, help="Wall seconds of arrivals per row.")
+    parser.add_argument("--policies", default="round_robin,least_loaded,kv_aware", help="Comma-separated ('' none).")
+    parser.add_argument(
+        "--router-cmd",
+        action="append",
+        default=[],
+        metavar="NAME=COMMAND",
+        help="Another router in front of fresh simulated replicas (template, see above).",
+    )
+    parser.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="An endpoint already running; load-tested as is.",
+    )
+    parser.add_argument(
+        "--target-metrics",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="Replica base URLs whose /metrics belong to --target rows.",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="Report directory.")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="Engine seconds per wall second.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=None, help="Sessions per engine second (chat workloads).")
+    parser.add_argument("--tenants", type=int, default=None)
+    parser.add_argument("--system-tokens", type=int, default=None)
+    parser.add_argument("--output-tokens", type=int, default=None)
+    parser.add_argument("--turns", type=int, default=None)
+    parser.add_argument("--think", type=float, default=None, help="Mean pause between turns, engine seconds.")
+    parser.add_argument("--trace", type=Path, default=None, help=f"Mooncake trace (default {DEFAULT_TRACE}).")
+    parser.add_argument("--trace-speedup", type=float, default=1.0, help="Trace seconds per engine second.")
+    parser.add_argument("--trace-start", type=float, default=0.0, help="Offset into the trace, seconds.")
+    parser.add_argument("--users", type=int, default=512, help="Locust users (concurrent sessions at most).")
+    parser.add_argument("--drain", type=float, default=180.0, help="Wall seconds allowed after the last arrival.")
+    parser.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO for goodput, engine seconds.")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="Tokenizer dir (default: the tiny one).")
+    parser.add_argument("--sim-arg", action="append", default=[], help="Extra argument for `kvrouter sim`.")
+    parser.add_argument("--router-arg", action="append", default=[], help="Extra argument for kvrouter.")
+    parser.add_argument("--quiet", action="store_true", help="No progress lines.")
+
+
+def _split_named(values: list[str], flag: str) -> list[tuple[str, str]]:
+    pairs = []
+    for value in values:
+        name, sep, rest = value.partition("=")
+        if not sep or not name or not rest:
+            raise ValueError(f"{flag} expects NAME=VALUE, got {value!r}")
+        pairs.append((name.strip(), rest.strip()))
+    return pairs
+
+
+def plan_from_args(args: argparse.Namespace) -> BenchPlan:
+    if args.time_scale <= 0:
+        raise ValueError("--time-scale must be positive")
+    scale = args.time_scale
+    rows = []
+    for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
+        if policy not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICY_NAMES)}")
+        rows.append(RowSpec(policy, "policy", policy))
+    rows += [RowSpec(name, "router-cmd", cmd) for name, cmd in _split_named(args.router_cmd, "--router-cmd")]
+    rows += [RowSpec(name, "target", url) for name, url in _split_named(args.target, "--target")]
+    if not rows:
+        raise ValueError("nothing to run: give --policies, --router-cmd or --target")
+    if len({row.name for row in rows}) != len(rows):
+        raise ValueError("row names must be unique")
+    base = WorkloadParams(seed=args.seed, duration_s=args.duration)
+    trace = args.trace or (DEFAULT_TRACE if args.workload == "mooncake" else None)
+    if args.workload == "mooncake" and (trace is None or not trace.is_file()):
+        raise ValueError(f"trace file not found: {trace}")
+    params = WorkloadParams(
+        seed=args.seed,
+        duration_s=args.duration,
+        rate=(args.rate if args.rate is not None else base.rate) * scale,
+        tenants=args.tenants if args.tenants is not None else base.tenants,
+        system_tokens=args.system_tokens if args.system_tokens is not None else base.system_tokens,
+        output_tokens=args.output_tokens if args.output_tokens is not None else base.output_tokens,
+        turns=args.turns if args.turns is not None else base.turns,
+        think_s=(args.think if args.think is not None else base.think_s) / scale,
+        trace=trace,
+        trace_speedup=args.trace_speedup * scale,
+        trace_start_s=args.trace_start,
+    )
+    return BenchPlan(
+        workload=args.workload, params=params, rows=rows, out=args.out, replicas=args.replicas,
+        profile=args.profile, time_scale=scale, users=args.users, drain_s=args.drain, slo_ttft_s=args.slo_ttft,
+        tokenizer=args.tokenizer, sim_args=list(args.sim_arg), router_args=list(args.router_arg),
+        target_metrics=list(args.target_metrics), quiet=args.quiet,
+    )  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Reads the records file as it grows; prints one line every few seconds."""
+
+    path: Path
+    scheduled: int
+    offset: int = 0
+    done: int = 0
+    errors: int = 0
+    recent_ttft: list[float] = field(default_factory=list)
+
+    def poll(self) -> None:
+        if not self.path.is_file():
+            return
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read()
+        cut = chunk.rfind(b"\n")
+        if cut < 0:
+            return
+        self.offset += cut + 1
+        for line in chunk[: cut + 1].splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            self.done += 1
+            if record.get("error") is not None:
+                self.errors += 1
+            elif record.get("ttft_s") is not None:
+                self.recent_ttft.append(record["ttft_s"])
+        self.recent_ttft = self.recent_ttft[-200:]
+
+
+def _median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
+
+
+def _start_router(plan: BenchPlan, spec: RowSpec, sim: SimFleet, row_dir: Path) -> tuple[Child, str]:
+    port = free_port_range(1)
+    log = row_dir / "router.log"
+    if spec.kind == "policy":
+        child = start_kvrouter(sim.replicas_file, port, spec.value, log, plan.router_args)
+    else:
+        child = start_router_cmd(spec.name, spec.value, port, sim, log)
+    return child, f"http://127.0.0.1:{port}"
+
+
+def _tokenizer(plan: BenchPlan) -> Path:
+    if plan.tokenizer is not None:
+        return plan.tokenizer
+    from kvrouter.tinymodel import ensure_tokenizer
+
+    return ensure_tokenizer()
+
+
+def run_row(plan: BenchPlan, spec: RowSpec, scheduled: int, say: Any) -> RowData:
+    row_dir = plan.out / spec.name
+    row_dir.mkdir(parents=True, exist_ok=True)
+    children: list[Child] = []
+    try:
+        replicas: dict[str, str] = {}
+        if spec.kind == "target":
+            host = spec.value.rstrip("/")
+            replicas = {f"replica-{i}": url.rstrip("/") for i, url in enumerate(plan.target_metrics)}
+        else:
+            say(f"[{spec.name}] starting {plan.replicas} simulated replicas ({plan.profile}) and the router")
+            sim = start_sim(
+                replicas=plan.replicas, profile=plan.profile, replicas_file=row_dir / "replicas.yaml",
+                log=row_dir / "sim.log", time_scale=plan.time_scale, tokenizer=_tokenizer(plan),
+                extra=plan.sim_args,
+            )  # fmt: skip
+            children.append(sim.child)
+            router, host = _start_router(plan, spec, sim, row_dir)
+            children.append(router)
+            replicas = sim.replicas
+        before = {name: scrape(url) for name, url in replicas.items()}
+        records_path = row_dir / "records.jsonl"
+        argv = locust_argv(
+            host=host, users=plan.users, run_time_s=plan.params.duration_s + plan.drain_s,
+            csv_prefix=row_dir / "locust", records=records_path, flags=plan.locust_flags(),
+        )  # fmt: skip
+        locust = start_child("locust", argv, row_dir / "locust.log")
+        children.append(locust)
+        samples = _watch(plan, spec, locust, replicas, _Progress(records_path, scheduled), say)
+        after = {name: scrape(url) for name, url in replicas.items()}
+        if locust.process.returncode not in (0, 1):  # 1: some requests failed, which the report shows
+            say(f"[{spec.name}] locust exited with {locust.process.returncode}:\n{locust.log_tail()}")
+        counters = {name: counter_deltas(before[name], after[name]) for name in replicas}
+        return RowData(spec.name, read_records(records_path), scheduled, counters, samples)
+    finally:
+        for child in reversed(children):
+            child.stop()
+
+
+def _watch(
+    plan: BenchPlan, spec: RowSpec, locust: Child, replicas: dict[str, str], progress: _Progress, say: Any
+) -> list[LoadSample]:
+    started = time.monotonic()
+    samples: list[LoadSample] = []
+    last_print = 0.0
+    while locust.alive():
+        time.sleep(1.0)
+        now = time.monotonic() - started
+        queues = []
+        for name, url in replicas.items():
+            metrics = scrape(url, timeout_s=1.0)
+            if metrics is None:
+                continue
+            running = metrics.get("vllm:num_requests_running", 0.0)
+            waiting = metrics.get("vllm:num_requests_waiting", 0.0)
+            samples.append(LoadSample(now, name, running, waiting, metrics.get("vllm:kv_cache_usage_perc", 0.0)))
+            queues.append(f"{running:.0f}+{waiting:.0f}")
+        progress.poll()
+        if not plan.quiet and now - last_print >= 5.0:
+            last_print = now
+            ttft = _median(progress.recent_ttft)
+            ttft_text = "–" if ttft is None else f"{ttft * plan.time_scale:.3f} s"
+            say(
+                f"[{spec.name}] {now:5.0f}/{plan.params.duration_s:.0f} s  done {progress.done}/{progress.scheduled}"
+                f"  errors {progress.errors}  TTFT p50 (recent) {ttft_text}"
+                f"  running+waiting per replica {' '.join(queues) or '–'}"
+            )
+    return samples
+
+
+def execute(plan: BenchPlan, say: Any = print) -> dict[str, Any]:
+    from kvrouter.loadgen.plots import write_plots
+    from kvrouter.loadgen.report import write_report
+
+    sessions = build_schedule(plan.workload, plan.params)
+    scheduled = count_requests(sessions)
+    say(f"workload {plan.workload}: {len(sessions)} sessions, {scheduled} requests over {plan.params.duration_s:.0f} s")
+    rows: list[RowData] = []
+    report: dict[str, Any] = {}
+    for spec in plan.rows:
+        rows.append(run_row(plan, spec, scheduled, say))
+        report = {
+            "parameters": plan.parameters(),
+            "baseline": plan.rows[0].name,
+            "results": {
+                row.name: summarize(row, time_scale=plan.time_scale, slo_ttft_s=plan.slo_ttft_s) for row in rows
+            },
+        }
+        write_report(plan.out, report)  # after every row, so an interrupted run keeps what it measured
+    try:
+        write_plots(plan.out, rows, time_scale=plan.time_scale)
+    except ImportError:
+        say("matplotlib is not installed: no plots (pip install 'kvrouter[loadtest]')")
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_from_args(args)
+    except ValueError as error:
+        print(f"kvrouter bench: {error}", file=sys.stderr)
+        return 2
+    try:
+        report = execute(plan, say=lambda text: print(text, flush=True))
+    except FleetError as error:
+        print(f"kvrouter bench: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvrouter bench: interrupted; partial report in", plan.out, file=sys.stderr)
+        return 1
+    print()
+    print(console_table(report))
+    with contextlib.suppress(OSError):
+        print(f"\nreport: {plan.out / 'report.md'}")
+    return 0

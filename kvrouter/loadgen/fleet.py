@@ -1,0 +1,244 @@
+"""The processes of a bench run: simulated replicas, a router, Locust; and reading the replicas' /metrics.
+
+Every process is a child started here with its output in a log file, stopped by its own pid (SIGTERM, then
+SIGKILL after a grace period). Readiness is polled over HTTP; a child that exits early raises `FleetError` with
+the tail of its log, so a broken router or simulator is reported as such instead of as a hung benchmark.
+Locust always runs as a subprocess: it monkey-patches the interpreter with gevent, which must never happen to
+the process that orchestrates (or to a router).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
+
+# Replica gauges sampled over time, and counters read at the end of a run (vLLM's names).
+LOAD_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+RUN_COUNTERS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:time_to_first_token_seconds_count",
+)
+
+
+class FleetError(RuntimeError):
+    """A child process failed to start or died; the message carries its log's tail."""
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            self.process.wait(timeout=5)
+
+
+def start_child(name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> Child:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as handle:
+        process = subprocess.Popen(
+            list(argv),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+    return Child(name, process, log)
+
+
+def kvrouter_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvrouter.cli", *args]
+
+
+def free_port_range(count: int, start: int = 20000, end: int = 60000) -> int:
+    """A base port such that base .. base+count-1 are all free on 127.0.0.1 right now."""
+    base = start + (os.getpid() * 37) % (end - start - count)
+    for _ in range(200):
+        if all(_port_free(base + offset) for offset in range(count)):
+            return base
+        base = start + (base - start + count + 7) % (end - start - count)
+    raise FleetError(f"found no {count} consecutive free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return int(response.status), response.read().decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as error:
+        return int(error.code), ""
+
+
+def wait_ready(child: Child, url: str, timeout_s: float = 60.0, accept_below: int = 300) -> None:
+    """Poll `url` until it answers with a status below `accept_below`; fail fast if `child` exits."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise FleetError(f"{child.name} exited with code {child.process.returncode}:\n{child.log_tail()}")
+        try:
+            status, _ = http_get(url, timeout_s=2.0)
+            if status < accept_below:
+                return
+            last = f"HTTP {status}"
+        except (OSError, urllib.error.URLError) as error:
+            last = str(error)
+        time.sleep(0.2)
+    raise FleetError(f"{child.name} not ready at {url} after {timeout_s:.0f} s ({last}):\n{child.log_tail()}")
+
+
+@dataclass(frozen=True, slots=True)
+class SimFleet:
+    child: Child
+    replicas_file: Path
+    replicas: dict[str, str]
+    """Replica name -> base URL."""
+    kv_endpoints: dict[str, str]
+    """Replica name -> ZMQ PUB endpoint of its KV events (when the simulator publishes them)."""
+
+
+def start_sim(
+    *,
+    replicas: int,
+    profile: str,
+    replicas_file: Path,
+    log: Path,
+    time_scale: float = 1.0,
+    tokenizer: Path | None = None,
+    extra: Sequence[str] = (),
+) -> SimFleet:
+    base_port = free_port_range(4 * replicas + 4)
+    argv = kvrouter_argv(
+        "sim", "--replicas", str(replicas), "--profile", profile, "--base-port", str(base_port),
+        "--write-replicas", str(replicas_file), "--time-scale", str(time_scale),
+    )  # fmt: skip
+    if tokenizer is not None:
+        argv += ["--tokenizer", str(tokenizer)]
+    argv += list(extra)
+    with contextlib.suppress(FileNotFoundError):
+        replicas_file.unlink()
+    child = start_child("simulator", argv, log)
+    deadline = time.monotonic() + 120
+    while not replicas_file.is_file():
+        if not child.alive():
+            raise FleetError(f"simulator exited with code {child.process.returncode}:\n{child.log_tail()}")
+        if time.monotonic() > deadline:
+            child.stop()
+            raise FleetError(f"simulator wrote no {replicas_file} within 120 s:\n{child.log_tail()}")
+        time.sleep(0.2)
+    time.sleep(0.2)  # the file is written whole, but give a slow disk a moment
+    fleet = yaml.safe_load(replicas_file.read_text(encoding="utf-8"))
+    urls = {str(r["name"]): str(r["url"]).rstrip("/") for r in fleet["replicas"]}
+    endpoints = {str(r["name"]): str(r["kv_events"]["endpoint"]) for r in fleet["replicas"] if r.get("kv_events")}
+    for url in urls.values():
+        wait_ready(child, url + "/health")
+    return SimFleet(child, replicas_file, urls, endpoints)
+
+
+def start_kvrouter(replicas_file: Path, port: int, policy: str, log: Path, extra: Sequence[str] = ()) -> Child:
+    argv = kvrouter_argv(
+        "--replicas", str(replicas_file), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+        "--log-level", "warning", *extra,
+    )  # fmt: skip
+    child = start_child(f"kvrouter ({policy})", argv, log)
+    wait_ready(child, f"http://127.0.0.1:{port}/health", timeout_s=90)
+    return child
+
+
+def render_router_cmd(template: str, port: int, sim: SimFleet) -> list[str]:
+    """Fill a `--router-cmd` template: {port}, {worker_urls} (space-separated), {worker_urls_csv},
+    {replicas_file}, {kv_event_sources} (NAME=tcp://... space-separated)."""
+    values = {
+        "port": str(port),
+        "worker_urls": " ".join(sim.replicas.values()),
+        "worker_urls_csv": ",".join(sim.replicas.values()),
+        "replicas_file": str(sim.replicas_file),
+        "kv_event_sources": " ".join(f"{name}={url}" for name, url in sim.kv_endpoints.items()),
+    }
+    return shlex.split(template.format(**values))
+
+
+def start_router_cmd(name: str, template: str, port: int, sim: SimFleet, log: Path) -> Child:
+    child = start_child(name, render_router_cmd(template, port, sim), log)
+    # Other routers differ in health paths; any HTTP answer from /v1/models below 500 means it is serving.
+    wait_ready(child, f"http://127.0.0.1:{port}/v1/models", timeout_s=120, accept_below=500)
+    return child
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sample name -> value summed over label sets (replicas hosting several engines report one per engine)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
+    return totals
+
+
+def scrape(url: str, timeout_s: float = 2.0) -> dict[str, float] | None:
+    try:
+        status, text = http_get(url.rstrip("/") + "/metrics", timeout_s=timeout_s)
+    except (OSError, urllib.error.URLError):
+        return None
+    return parse_metrics(text) if status == 200 else None
+
+
+def locust_argv(
+    *,
+    host: str,
+    users: int,
+    run_time_s: float,
+    csv_prefix: Path,
+    records: Path,
+    flags: Sequence[str],
+) -> list[str]:
+    return [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", host,
+        "-u", str(users), "-r", str(users), "--run-time", f"{max(1, round(run_time_s))}s", "--stop-timeout", "5",
+        "--only-summary", "--csv", str(csv_prefix), "--kv-records", str(records), *flags,
+    ]  # fmt: skip

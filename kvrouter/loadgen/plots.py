@@ -1,0 +1,102 @@
+"""The bench report's PNG plots: TTFT CDF per row, TTFT over time, and per-replica load over time.
+
+matplotlib is imported inside `write_plots` with the Agg backend, so the bench needs no display and the rest of
+kvrouter never pays for matplotlib. Times are engine seconds (see `report.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvrouter.loadgen.report import RowData
+
+
+def write_plots(out: Path, rows: Sequence[RowData], *, time_scale: float = 1.0) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = [
+        _ttft_cdf(plt, out / "ttft_cdf.png", rows, time_scale),
+        _ttft_over_time(plt, out / "ttft_over_time.png", rows, time_scale),
+        _replica_load(plt, out / "replica_load.png", rows, time_scale),
+    ]
+    return written
+
+
+def _ok_ttft(row: RowData) -> list[Mapping[str, Any]]:
+    return [r for r in row.records if r.get("error") is None and r.get("ttft_s") is not None]
+
+
+def _ttft_cdf(plt: Any, path: Path, rows: Sequence[RowData], scale: float) -> Path:
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        values = sorted(r["ttft_s"] * scale for r in _ok_ttft(row))
+        if values:
+            fractions = [(index + 1) / len(values) for index in range(len(values))]
+            axes.step(values, fractions, where="post", label=row.name)
+    axes.set_xscale("log")
+    axes.set_xlabel("TTFT (s, log scale)")
+    axes.set_ylabel("fraction of requests")
+    axes.set_title("TTFT CDF")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _ttft_over_time(plt: Any, path: Path, rows: Sequence[RowData], scale: float) -> Path:
+    figure, axes = plt.subplots(figsize=(9, 4.5))
+    for row in rows:
+        points = sorted((r["start_s"] * scale, r["ttft_s"] * scale) for r in _ok_ttft(row))
+        if points:
+            axes.scatter([p[0] for p in points], [p[1] for p in points], s=6, alpha=0.5, label=row.name)
+    axes.set_yscale("log")
+    axes.set_xlabel("request start (s since the load began)")
+    axes.set_ylabel("TTFT (s, log scale)")
+    axes.set_title("TTFT over time")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(markerscale=3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _replica_load(plt: Any, path: Path, rows: Sequence[RowData], scale: float) -> Path:
+    figure, grid = plt.subplots(len(rows), 2, figsize=(11, 2.6 * len(rows) + 0.5), squeeze=False)
+    for index, row in enumerate(rows):
+        over_time, shares = grid[index]
+        replicas = sorted({s.replica for s in row.samples})
+        for replica in replicas:
+            samples = [s for s in row.samples if s.replica == replica]
+            over_time.plot(
+                [s.t_s * scale for s in samples], [s.running + s.waiting for s in samples], label=replica, lw=1
+            )
+        over_time.set_title(f"{row.name}: requests running + waiting per replica", fontsize=9)
+        over_time.set_xlabel("s since the load began", fontsize=8)
+        if replicas:
+            over_time.legend(fontsize=7)
+        counts: dict[str, float] = {}
+        for record in row.records:
+            if record.get("replica"):
+                counts[record["replica"]] = counts.get(record["replica"], 0) + 1
+        finished = {name: c.get("vllm:e2e_request_latency_seconds_count", 0.0) for name, c in row.counters.items()}
+        if any(finished.values()):
+            counts = finished
+        names = sorted(counts)
+        total = sum(counts.values()) or 1.0
+        shares.bar(names, [counts[name] / total for name in names])
+        shares.set_title(f"{row.name}: share of requests", fontsize=9)
+        shares.set_ylim(0, 1)
+        shares.tick_params(axis="x", labelsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
