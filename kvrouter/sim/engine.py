@@ -168,9 +168,9 @@ class VllmEngine:
         result = StepResult(duration=0.0)
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[_Seq, int]] = []
-        preempted = self._schedule_running(scheduled, budget, result)
-        budget -= sum(new for _, new in scheduled)
-        if not preempted:
+        if self._running:
+            budget = self._schedule_running(scheduled, budget, result)
+        if budget > 0 and self._waiting:
             self._schedule_waiting(scheduled, budget, result)
         result.duration = self._execute(scheduled, result)
         result.events = self.cache.events
@@ -179,7 +179,8 @@ class VllmEngine:
 
     # -- scheduling ----------------------------------------------------------------------------------------
 
-    def _schedule_running(self, scheduled: list[tuple[_Seq, int]], budget: int, result: StepResult) -> bool:
+    def _schedule_running(self, scheduled: list[tuple[_Seq, int]], budget: int, result: StepResult) -> int:
+        """Schedule running requests; the budget left, or 0 when a preemption closes admission this pass."""
         running = self._running
         cache = self.cache
         block_size = self.block_size
@@ -187,25 +188,29 @@ class VllmEngine:
         index = 0
         while index < len(running) and budget > 0:
             seq = running[index]
-            new = seq.num_tokens - seq.num_computed
+            computed = seq.num_computed
+            new = seq.num_tokens - computed
             if new > budget:
                 new = budget
-            need = _cdiv(seq.num_computed + new, block_size) - len(seq.blocks) - seq.unhashed
-            while need > cache.free_blocks:
-                victim = running.pop()
-                self._preempt(victim)
-                result.preempted.append(victim.request.request_id)
-                preempted = True
-                if victim is seq:
-                    return True  # it was the last running request and gave up its own blocks
-            if need > 0:
+            end = computed + new
+            held = len(seq.blocks) + seq.unhashed
+            if end > held * block_size:
+                need = -(-end // block_size) - held
+                while need > cache.free_blocks:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    result.preempted.append(victim.request.request_id)
+                    preempted = True
+                    if victim is seq:
+                        return 0  # it was the last running request and gave up its own blocks
                 cache.allocate(need)
                 seq.unhashed += need
-            self._cache_full_blocks(seq, seq.num_computed + new)
+            if end // block_size > len(seq.blocks):
+                self._cache_full_blocks(seq, end)
             scheduled.append((seq, new))
             budget -= new
             index += 1
-        return preempted
+        return 0 if preempted else budget
 
     def _schedule_waiting(self, scheduled: list[tuple[_Seq, int]], budget: int, result: StepResult) -> None:
         waiting = self._waiting
