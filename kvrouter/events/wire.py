@@ -234,6 +234,24 @@ def split_frames(frames: Sequence[bytes]) -> tuple[bytes, bytes, bytes] | None:
     return None
 
 
+def split_replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
+    """(seq, payload) of a replay-socket reply, as a DEALER or REQ receives it; None when malformed.
+
+    Newer vLLM answers a DEALER with `[b"", topic, seq, payload]`, vLLM <= 0.25 with `[b"", seq, payload]`; a
+    REQ socket sees the same without the empty delimiter. The end of a replay has seq == `SEQ_END`.
+    """
+    if len(frames) == 4:
+        seq_frame, payload = frames[2], frames[3]
+    elif len(frames) == 3:
+        seq_frame, payload = frames[1], frames[2]
+    elif len(frames) == 2:
+        seq_frame, payload = frames[0], frames[1]
+    else:
+        return None
+    seq = decode_seq(seq_frame)
+    return None if seq is None else (seq, payload)
+
+
 __all__ = [
     "SEQ_END",
     "AllBlocksCleared",
@@ -246,4 +264,5 @@ __all__ = [
     "decode_seq",
     "encode_seq",
     "split_frames",
+    "split_replay_reply",
 ]

@@ -1,0 +1,293 @@
+"""A replica's vLLM KV-event stream over ZMQ, made gap-free where the engine allows, handed to a sink.
+
+`ZmqEventSource.run()` subscribes to the replica's publisher (connecting, or binding when the engine connects —
+`KvEventsConfig.bind`), decodes every message once (`wire.WireDecoder`) and passes each normalised `EventBatch`
+to `sink` — the router's index ingest, or the Redis relay; both use this class unchanged.
+
+Sequence numbers are tracked per (replica, data-parallel rank), because every DP rank's engine counts its own:
+* the next number: delivered;
+* a jump forward (a lost message, or the router starting after the engine): the missing range is asked from the
+  engine's replay socket (DEALER sends `[b"", seq]`; replies until seq == -1) and delivered in order first; what
+  the engine no longer buffers is counted as lost;
+* a number at or below the last one: the engine restarted, so its cache is empty — an
+  `AllBlocksCleared(restart=True)` for that rank is delivered before the new message.
+
+Nothing stops the task but cancellation: a malformed frame or event is counted by `(replica, type, reason)`
+through `on_problem`, logged at most once per `log_every_s` per reason, and skipped; a socket error closes and
+reopens the sockets after `reconnect_s`.
+
+Knobs: `replay_timeout_s` (wait for each replay reply), `data_parallel_size` (rank r of a connecting source
+publishes and replays on the configured ports + r, as vLLM assigns them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from kvrouter.config import KvEventsConfig
+from kvrouter.events.wire import (
+    SEQ_END,
+    AllBlocksCleared,
+    DecodeProblem,
+    EventBatch,
+    WireDecoder,
+    decode_seq,
+    encode_seq,
+    split_frames,
+    split_replay_reply,
+)
+
+BatchSink = Callable[[EventBatch], Awaitable[None] | None]
+ProblemCount = Callable[[str, str, str], None]
+"""(replica, event type or "frame", reason) -> None."""
+
+
+class RateLimitedLog:
+    """Logs a recurring problem at most once per `every_s` per key, with how many were suppressed."""
+
+    def __init__(self, logger: logging.Logger, *, every_s: float, clock: Callable[[], float]) -> None:
+        self.logger = logger
+        self.every_s = every_s
+        self.clock = clock
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, key: str, message: str, *args: object) -> None:
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.every_s:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        suppressed = self._suppressed.pop(key, 0)
+        self._last[key] = now
+        suffix = f" ({suppressed} more since the last report)" if suppressed else ""
+        self.logger.warning(message + suffix, *args)
+
+
+def offset_endpoint(endpoint: str, offset: int) -> str:
+    """vLLM's address for DP rank `offset`: tcp ports shifted by the rank; other transports unchanged."""
+    if offset == 0 or not endpoint.startswith("tcp://"):
+        return endpoint
+    parts = urlsplit(endpoint)
+    if parts.port is None:
+        return endpoint
+    host = endpoint[len("tcp://") : endpoint.rindex(":")]
+    return f"tcp://{host}:{parts.port + offset}"
+
+
+@dataclass(slots=True)
+class SequenceTracker:
+    """Last delivered seq per DP rank (pure)."""
+
+    last: dict[int, int] = field(default_factory=dict)
+
+    def classify(self, rank: int, seq: int) -> str:
+        """"next", "first" (no history), "gap" (seq skipped ahead) or "restart" (seq went backwards or repeated)."""
+        previous = self.last.get(rank)
+        if previous is None:
+            return "first"
+        if seq == previous + 1:
+            return "next"
+        if seq > previous + 1:
+            return "gap"
+        return "restart"
+
+    def expected(self, rank: int) -> int:
+        previous = self.last.get(rank)
+        return 0 if previous is None else previous + 1
+
+    def delivered(self, rank: int, seq: int) -> None:
+        self.last[rank] = seq
+
+
+class ZmqEventSource:
+    def __init__(
+        self,
+        replica: str,
+        config: KvEventsConfig,
+        sink: BatchSink,
+        *,
+        context: zmq.asyncio.Context,
+        on_problem: ProblemCount | None = None,
+        data_parallel_size: int = 1,
+        replay_timeout_s: float = 1.0,
+        reconnect_s: float = 1.0,
+        log_every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.replica = replica
+        self.config = config
+        self.sink = sink
+        self.context = context
+        self.on_problem = on_problem
+        self.data_parallel_size = data_parallel_size
+        self.replay_timeout_s = replay_timeout_s
+        self.reconnect_s = reconnect_s
+        self.tracker = SequenceTracker()
+        self.decoder = WireDecoder()
+        self.log = RateLimitedLog(logger or logging.getLogger(__name__), every_s=log_every_s, clock=clock)
+        self.delivered = 0
+        self.replayed = 0
+        self.lost = 0
+        self.restarts = 0
+        self.connected = asyncio.Event()
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            socket = self._open()
+            try:
+                self.connected.set()
+                while True:
+                    frames = await socket.recv_multipart()
+                    try:
+                        await self.handle(frames)
+                    except Exception as error:  # a sink or decode bug must not end the stream
+                        self._problem(DecodeProblem("frame", "internal_error", repr(error)))
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as error:
+                self.log.warning(
+                    f"socket:{self.replica}", "kv events from %s: socket error %s; reopening", self.replica, error
+                )
+            finally:
+                self.connected.clear()
+                socket.close(linger=0)
+            await asyncio.sleep(self.reconnect_s)
+
+    def _open(self) -> zmq.asyncio.Socket:
+        socket = self.context.socket(zmq.SUB)
+        socket.setsockopt(zmq.RCVHWM, 100_000)
+        socket.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
+        for rank in range(self.data_parallel_size):
+            endpoint = offset_endpoint(self.config.endpoint, rank)
+            if self.config.bind:
+                socket.bind(endpoint)
+            else:
+                socket.connect(endpoint)
+        return socket
+
+    # ---- one message --------------------------------------------------------------------------------------
+
+    async def handle(self, frames: list[bytes]) -> None:
+        """Decode one published message and deliver it (after any replay or restart it reveals)."""
+        parts = split_frames(frames)
+        if parts is None:
+            self._problem(DecodeProblem("frame", "bad_frame_count", str(len(frames))))
+            return
+        _topic, seq_frame, payload = parts
+        seq = decode_seq(seq_frame)
+        if seq is None:
+            self._problem(DecodeProblem("frame", "bad_seq", seq_frame[:16].hex()))
+            return
+        batch = self._decode(seq, payload)
+        if batch is None:
+            return
+        rank = batch.dp_rank
+        state = self.tracker.classify(rank, seq)
+        if state == "restart":
+            self.restarts += 1
+            self.log.warning(
+                f"restart:{self.replica}",
+                "kv events from %s rank %d: seq went from %d to %d; the engine restarted, dropping its blocks",
+                self.replica, rank, self.tracker.last[rank], seq,
+            )
+            await self._deliver(EventBatch(self.replica, rank, seq, batch.ts, [AllBlocksCleared(restart=True)]))
+            del self.tracker.last[rank]
+            state = "first"
+        if state in ("gap", "first") and seq > self.tracker.expected(rank):
+            await self._replay(rank, self.tracker.expected(rank), seq)
+        await self._deliver(batch)
+        self.tracker.delivered(rank, seq)
+
+    def _decode(self, seq: int, payload: bytes) -> EventBatch | None:
+        batch, problems = self.decoder.decode_payload(self.replica, seq, payload)
+        for problem in problems:
+            self._problem(problem)
+        return batch
+
+    async def _deliver(self, batch: EventBatch) -> None:
+        result = self.sink(batch)
+        if inspect.isawaitable(result):
+            await result
+        self.delivered += 1
+
+    def _problem(self, problem: DecodeProblem) -> None:
+        if self.on_problem is not None:
+            self.on_problem(self.replica, problem.kind, problem.reason)
+        self.log.warning(
+            f"{problem.kind}:{problem.reason}:{self.replica}",
+            "kv events from %s: skipped %s (%s) %s", self.replica, problem.kind, problem.reason, problem.detail[:200],
+        )
+
+    # ---- replay -------------------------------------------------------------------------------------------
+
+    async def _replay(self, rank: int, start: int, until: int) -> None:
+        """Deliver seqs [start, until) of `rank` from the engine's replay buffer; count what it cannot give."""
+        got = await self._replay_batches(rank, start, until) if self.config.replay_endpoint else []
+        next_seq = start
+        for seq, batch in got:
+            if seq < next_seq or seq >= until or batch.dp_rank != rank:
+                continue
+            if seq > next_seq:
+                self._lost(rank, next_seq, seq)
+            await self._deliver(batch)
+            self.tracker.delivered(rank, seq)
+            self.replayed += 1
+            next_seq = seq + 1
+        if next_seq < until:
+            self._lost(rank, next_seq, until)
+
+    def _lost(self, rank: int, start: int, until: int) -> None:
+        self.lost += until - start
+        if self.on_problem is not None:
+            self.on_problem(self.replica, "frame", "lost")
+        self.log.warning(
+            f"lost:{self.replica}", "kv events from %s rank %d: seqs %d..%d are lost (not in the replay buffer)",
+            self.replica, rank, start, until - 1,
+        )
+
+    async def _replay_batches(self, rank: int, start: int, until: int) -> list[tuple[int, EventBatch]]:
+        assert self.config.replay_endpoint is not None
+        endpoint = offset_endpoint(self.config.replay_endpoint, rank)
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        batches: list[tuple[int, EventBatch]] = []
+        try:
+            socket.connect(endpoint)
+            await socket.send_multipart([b"", encode_seq(start)])
+            while True:
+                if not await socket.poll(int(self.replay_timeout_s * 1000)):
+                    self._problem(DecodeProblem("frame", "replay_timeout", endpoint))
+                    break
+                reply = split_replay_reply(await socket.recv_multipart())
+                if reply is None:
+                    self._problem(DecodeProblem("frame", "bad_replay_reply"))
+                    continue
+                seq, payload = reply
+                if seq == SEQ_END:
+                    break
+                batch = self._decode(seq, payload)
+                if batch is not None:
+                    batches.append((seq, batch))
+                if seq >= until - 1:
+                    break  # the rest will arrive live
+        except zmq.ZMQError as error:
+            self._problem(DecodeProblem("frame", "replay_error", str(error)))
+        finally:
+            socket.close(linger=0)
+        return batches
+
+
+__all__ = ["BatchSink", "ProblemCount", "RateLimitedLog", "SequenceTracker", "ZmqEventSource", "offset_endpoint"]
