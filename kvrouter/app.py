@@ -94,8 +94,15 @@ def create_app(
     app[PROXY] = proxy
     proxy.add_routes(app)
     install_admin(
-        app, fleet=fleet, fleet_path=settings.replicas, admin_token=settings.admin_token, replicas=replicas,
-        load=load, metrics=metrics, registry=metrics.registry, index=prefix.index,
+        app,
+        fleet=fleet,
+        fleet_path=settings.replicas,
+        admin_token=settings.admin_token,
+        replicas=replicas,
+        load=load,
+        metrics=metrics,
+        registry=metrics.registry,
+        index=prefix.index,
     )
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_replica_watch)

@@ -118,6 +118,12 @@ async def serve(settings: Settings, fleet: FleetConfig, *, ready: Callable[[int]
     return 0
 
 
+def one_line(message: str) -> str:
+    """Operators grep logs: a multi-line parser message (YAML's caret diagrams) becomes one line."""
+    parts = [part.strip() for part in message.splitlines()]
+    return " ".join(part for part in parts if part and set(part) != {"^"})
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
@@ -133,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         # Built once here so a policy problem is a configuration error, before anything listens.
         create_app(settings, fleet)
     except ConfigError as error:
-        print(f"kvrouter: {error}", file=sys.stderr)
+        print(f"kvrouter: {one_line(str(error))}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.workers > 1:

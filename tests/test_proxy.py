@@ -109,9 +109,7 @@ async def test_first_chunk_latency_on_kept_alive_connection(
     assert statistics.median(gaps[1:]) < 0.015, gaps
 
 
-async def test_request_id_is_propagated_or_generated(
-    fake_replicas: ReplicaFactory, make_router: RouterFactory
-) -> None:
+async def test_request_id_is_propagated_or_generated(fake_replicas: ReplicaFactory, make_router: RouterFactory) -> None:
     replicas = await fake_replicas(1)
     client = await make_router(replicas)
     given = await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "req-42"})
@@ -162,9 +160,7 @@ async def test_unknown_fields_pass_through_byte_for_byte(
         b'{"model" : "fake-model",\n "messages":[{"role":"user","content":"h\\u00e9llo","name":"x"}],'
         b' "top_k": 5, "vendor_extension": {"nested": [1, 2.50, null]}, "guided_json": {"type": "object"}}'
     )
-    response = await client.post(
-        "/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}
-    )
+    response = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
     assert response.status == 200
     assert replicas[0].seen[-1].body == raw
 

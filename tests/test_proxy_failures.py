@@ -13,11 +13,11 @@ from tests.conftest import ReplicaFactory, RouterFactory
 from tests.test_proxy import CHAT, metric_value
 
 
-async def wait_until(condition: object, timeout: float = 3.0) -> float:
+async def wait_until(condition: object, within: float = 3.0) -> float:
     """Poll `condition()` until true; returns the seconds it took."""
     started = time.perf_counter()
     while not condition():  # type: ignore[operator]
-        if time.perf_counter() - started > timeout:
+        if time.perf_counter() - started > within:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.005)
     return time.perf_counter() - started
@@ -109,10 +109,8 @@ async def test_breaker_skips_a_dead_replica_and_lets_it_back(
     assert await metric_value(client, "kvrouter_breaker_opens_total", replica="r0") == 1
 
     await replicas[0].start()  # same port
-    await wait_until(lambda: state.routable, timeout=2.0)
-    served = [
-        (await client.post("/v1/chat/completions", json=CHAT)).headers["x-kvrouter-replica"] for _ in range(4)
-    ]
+    await wait_until(lambda: state.routable, within=2.0)
+    served = [(await client.post("/v1/chat/completions", json=CHAT)).headers["x-kvrouter-replica"] for _ in range(4)]
     assert "r0" in served
     assert (await (await client.get("/health")).json())["replicas"]["r0"]["state"] == "closed"
 
@@ -134,9 +132,7 @@ async def test_breaker_backoff_doubles_when_the_trial_fails(
     assert 0.25 < second_window <= 0.4
 
 
-async def test_active_probe_takes_a_sick_replica_out(
-    fake_replicas: ReplicaFactory, make_router: RouterFactory
-) -> None:
+async def test_active_probe_takes_a_sick_replica_out(fake_replicas: ReplicaFactory, make_router: RouterFactory) -> None:
     replicas = await fake_replicas(2)
     replicas[0].behaviour.health_status = 503
     client = await make_router(replicas, health_interval_s=0.05, breaker_failures=2, breaker_backoff_s=0.1)
@@ -161,7 +157,7 @@ async def test_client_disconnect_cancels_upstream_at_once(
     await asyncio.wait_for(response.content.readany(), timeout=2.0)
     assert replicas[0].in_flight == 1
     response.close()  # drops the connection mid-stream
-    took = await wait_until(lambda: replicas[0].cancelled == ["gone"], timeout=2.0)
+    took = await wait_until(lambda: replicas[0].cancelled == ["gone"], within=2.0)
     assert took < 0.5
     assert replicas[0].finished == []
     await wait_until(lambda: client.app[REPLICAS].replicas[0].consecutive_failures == 0)
@@ -179,7 +175,7 @@ async def test_client_disconnect_before_first_token_cancels_upstream(
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await wait_until(lambda: replicas[0].cancelled == ["q"], timeout=1.0)
+    await wait_until(lambda: replicas[0].cancelled == ["q"], within=1.0)
 
 
 async def test_least_loaded_avoids_a_replica_holding_slow_streams(
@@ -192,13 +188,9 @@ async def test_least_loaded_avoids_a_replica_holding_slow_streams(
     slow = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert slow.headers["x-kvrouter-replica"] == "r0"
     await slow.content.readany()
-    served = [
-        (await client.post("/v1/chat/completions", json=CHAT)).headers["x-kvrouter-replica"] for _ in range(5)
-    ]
+    served = [(await client.post("/v1/chat/completions", json=CHAT)).headers["x-kvrouter-replica"] for _ in range(5)]
     assert served == ["r1"] * 5
     hold.set()
     await slow.read()
-    served = [
-        (await client.post("/v1/chat/completions", json=CHAT)).headers["x-kvrouter-replica"] for _ in range(4)
-    ]
+    served = [(await client.post("/v1/chat/completions", json=CHAT)).headers["x-kvrouter-replica"] for _ in range(4)]
     assert sorted(set(served)) == ["r0", "r1"]  # idle again: ties rotate
