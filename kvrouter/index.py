@@ -13,8 +13,9 @@ first chunk where no source is left. A replica's prefix is the longest over its 
 DP rank; a block in any tier of that rank counts, `gpu_blocks` counts only GPU and provisional blocks).
 
 Provisional entries (`add_provisional`) mark a routed request's keys on its replica for `provisional_ttl_s`, so
-a burst of siblings follows the first before the engine's events arrive; a real `BlockStored` for the key on
-that replica replaces the provisional mark, and expiry is lazy (checked against the `now` callers pass).
+a burst of siblings follows the first before the engine's events arrive. The engine's `BlockStored` makes a
+block real; the mark itself simply lapses at its TTL (dropping it early would cut a provisional prefix in two
+while its tail is still being computed). Expiry is lazy, against the `now` callers pass.
 
 Knobs: `provisional_ttl_s`; `max_blocks` (optional budget of tracked keys: beyond it the least recently stored
 or matched key is evicted from every replica — an evicted block is merely under-predicted).
@@ -112,8 +113,6 @@ class PrefixIndex:
                     del table[key]  # re-insert at the end: dict order is the recency order
                 table[key] = mask | bit
         source.blocks.update(zip(engine_hashes, keys, strict=True))
-        if self._provisional:
-            self._confirm(replica, keys)
         if budget is not None:
             self._enforce_budget(budget)
 
@@ -199,15 +198,6 @@ class PrefixIndex:
             table[key] = table.get(key, 0) | bit
             marks[key] = until
         self._expiries.append((until, source, tuple(keys)))
-
-    def _confirm(self, replica: ReplicaName, keys: Iterable[BlockKey]) -> None:
-        source = self._sources.get((replica, _PROVISIONAL_RANK))
-        if source is None:
-            return
-        marks = source.provisional_until
-        for key in keys:
-            if marks.pop(key, None) is not None:
-                self._unmark_provisional(key, source.bit)
 
     def _unmark_provisional(self, key: BlockKey, bit: int) -> None:
         mask = self._provisional.get(key, 0) & ~bit

@@ -38,8 +38,6 @@ class IndexVersusReference(RuleBasedStateMachine):
     def store(self, replica: ReplicaName, rank: int, tier: Tier, keys: list[BlockKey]) -> None:
         self.index.store_keys(replica, [engine_hash(k) for k in keys], keys, tier, dp_rank=rank)
         self.held.setdefault((replica, rank), {}).setdefault(tier, set()).update(keys)
-        for key in keys:
-            self.provisional.get(replica, {}).pop(key, None)
 
     @rule(
         replica=st.sampled_from(REPLICAS),
