@@ -30,7 +30,7 @@ from typing import Protocol
 
 from kvrouter.sim.cache import PrefixCache
 from kvrouter.sim.hashing import hash_block, hash_label, root_hash
-from kvrouter.sim.model import EngineGaugesSnapshot, EngineRequest, StepResult, StoredBlocks
+from kvrouter.sim.model import EngineGaugesSnapshot, EngineRequest, KvEvent, StepResult, StoredBlocks
 
 
 class StepTiming(Protocol):
@@ -154,6 +154,12 @@ class VllmEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.cache.reset()
+
+    def take_events(self) -> list[KvEvent]:
+        """Events raised outside a pass (a prefix-cache reset on an idle engine), for the driver to publish."""
+        events = self.cache.events
+        self.cache.events = []
+        return events
 
     def gauges(self) -> EngineGaugesSnapshot:
         return EngineGaugesSnapshot(

@@ -1,0 +1,178 @@
+"""`kvrouter sim`: serve several simulated vLLM replicas from one process and write their replicas.yaml.
+
+Replica i listens for HTTP on `--base-port + i`; its KV-event PUB socket binds `tcp://*:(kv base + 2i)` as
+vLLM's does, and its replay ROUTER socket `tcp://*:(kv base + 2i + 1)`, where the kv base defaults to
+`--base-port + 100`. `--write-replicas FILE` writes a replicas.yaml that `kvrouter --replicas FILE` accepts as
+is (URLs, event endpoints as tcp://127.0.0.1:PORT with bind false, block size, tokenizer directory). Each replica
+hashes blocks with its own seed, as separate vLLM processes do, so the router cannot rely on engine hashes.
+Without `--tokenizer` the project's tiny tokenizer is built (once) and used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from kvrouter.sim.profiles import PROFILES, Profile, build_engine, get_profile
+from kvrouter.sim.server import ReplicaSettings, build_replica_app
+
+log = logging.getLogger("kvrouter.sim")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, default=4, help="Replicas to serve (default 4).")
+    parser.add_argument("--profile", default="b200x4-moe-1t", choices=sorted(PROFILES), help="Hardware profile.")
+    parser.add_argument("--base-port", type=int, default=8100, help="HTTP port of the first replica.")
+    parser.add_argument("--kv-base-port", type=int, default=None, help="First KV-event port (base-port + 100).")
+    parser.add_argument("--host", default="127.0.0.1", help="Address the HTTP servers listen on.")
+    parser.add_argument("--write-replicas", type=Path, default=None, help="Write a replicas.yaml here.")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="Tokenizer directory (default: tiny).")
+    parser.add_argument("--model-name", default=None, help="Served model name (default: the profile name).")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="Simulated seconds per wall second.")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per replica (vLLM's count).")
+    parser.add_argument("--block-size", type=int, default=None, help="KV block size in tokens.")
+    parser.add_argument("--max-model-len", type=int, default=None, help="Context window (profile's by default).")
+    parser.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request omits it.")
+    parser.add_argument("--topic", default="kv-events", help="KV-event topic.")
+    parser.add_argument("--hash-seed", type=int, default=0, help="Seed of replica 0's block hashes (+i for i).")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    name: str
+    http_port: int
+    pub_port: int
+    replay_port: int
+
+
+def layouts(count: int, base_port: int, kv_base_port: int | None) -> list[Layout]:
+    kv_base = kv_base_port if kv_base_port is not None else base_port + 100
+    return [Layout(f"sim-{i}", base_port + i, kv_base + 2 * i, kv_base + 2 * i + 1) for i in range(count)]
+
+
+def fleet_document(
+    replicas: list[Layout], *, host: str, block_size: int, tokenizer: Path, model: str, topic: str
+) -> dict[str, object]:
+    """The replicas.yaml content for these replicas (what `kvrouter.config.load_fleet` reads)."""
+    reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return {
+        "model": model,
+        "tokenizer": str(tokenizer.resolve()),
+        "block_size": block_size,
+        "replicas": [
+            {
+                "name": r.name,
+                "url": f"http://{reach}:{r.http_port}",
+                "kv_events": {
+                    "endpoint": f"tcp://127.0.0.1:{r.pub_port}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{r.replay_port}",
+                    "topic": topic,
+                    "bind": False,
+                },
+            }
+            for r in replicas
+        ],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        profile = get_profile(args.profile)
+        if args.replicas < 1 or args.time_scale <= 0:
+            raise ValueError("--replicas must be >= 1 and --time-scale > 0")
+        build_engine(profile, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks)
+    except ValueError as error:
+        print(f"kvrouter sim: {error}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(_serve(args, profile))
+    except KeyboardInterrupt:
+        pass
+    except OSError as error:
+        print(f"kvrouter sim: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve(args: argparse.Namespace, profile: Profile) -> None:
+    import zmq.asyncio
+    from aiohttp import web
+
+    from kvrouter.sim.publisher import KvEventPublisher
+    from kvrouter.sim.textio import SimTokenizer
+
+    tokenizer_dir = args.tokenizer
+    if tokenizer_dir is None:
+        from kvrouter.tinymodel import ensure_tokenizer
+
+        tokenizer_dir = ensure_tokenizer()
+    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sim-tokenize")
+    tokenizer = SimTokenizer(tokenizer_dir, executor)
+    block_size = args.block_size or profile.block_size
+    model_name = args.model_name or profile.name
+    max_model_len = args.max_model_len or profile.max_model_len
+    context = zmq.asyncio.Context()
+    runners: list[web.AppRunner] = []
+    plan = layouts(args.replicas, args.base_port, args.kv_base_port)
+    try:
+        for index, layout in enumerate(plan):
+            seed = args.hash_seed + index
+            engine = build_engine(profile, block_size=block_size, num_gpu_blocks=args.num_gpu_blocks, hash_seed=seed)
+            publisher = KvEventPublisher(
+                context,
+                endpoint=f"tcp://*:{layout.pub_port}",
+                replay_endpoint=f"tcp://*:{layout.replay_port}",
+                topic=args.topic,
+            )
+            settings = ReplicaSettings(
+                name=layout.name,
+                model_name=model_name,
+                max_model_len=max_model_len,
+                request_overhead_s=profile.request_overhead_s,
+                time_scale=args.time_scale,
+                hash_seed=seed,
+                default_max_tokens=args.default_max_tokens,
+            )
+            app = build_replica_app(settings, engine, tokenizer, publisher=publisher)
+            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            await runner.setup()
+            runners.append(runner)
+            await web.TCPSite(runner, args.host, layout.http_port).start()
+            log.info("%s on http://%s:%d, events on :%d", layout.name, args.host, layout.http_port, layout.pub_port)
+        if args.write_replicas is not None:
+            document = fleet_document(
+                plan, host=args.host, block_size=block_size, tokenizer=Path(tokenizer_dir), model=model_name,
+                topic=args.topic,
+            )  # fmt: skip
+            args.write_replicas.parent.mkdir(parents=True, exist_ok=True)
+            args.write_replicas.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+            log.info("wrote %s", args.write_replicas)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(signum, stop.set)
+        log.info("serving %d %s replicas (time scale %g)", len(plan), profile.name, args.time_scale)
+        await stop.wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        context.term()
+        executor.shutdown(wait=False)

@@ -1,0 +1,138 @@
+"""The thin async shell that runs an engine model on the real clock (one per simulated replica).
+
+The driver loops: run one engine pass, sleep until the pass would have ended (its duration divided by
+`time_scale`), then deliver what the pass produced — tokens to the waiting HTTP handlers, KV events to the
+publisher, latencies to the metrics. Requests arriving during a pass join the next one, as in vLLM. When the loop
+falls behind (a busy CPU), it does not burst to catch up: lateness only delays. Simulated time is wall time
+multiplied by `time_scale`; metrics report simulated seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvrouter.sim.metrics import ReplicaMetrics
+from kvrouter.sim.model import EngineModel, EngineRequest, StepResult
+from kvrouter.sim.publisher import KvEventPublisher
+
+log = logging.getLogger(__name__)
+
+TOKEN = "token"
+DONE = "done"
+
+
+@dataclass(slots=True)
+class Tracked:
+    """One engine request as its HTTP handler follows it."""
+
+    request: EngineRequest
+    index: int
+    sink: asyncio.Queue[tuple[int, str]]
+    arrived: float
+    first_token: float | None = None
+    emitted: int = 0
+    cached_tokens: int = 0
+    finished: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class EngineDriver:
+    def __init__(
+        self,
+        engine: EngineModel,
+        *,
+        time_scale: float = 1.0,
+        publisher: KvEventPublisher | None = None,
+        metrics: ReplicaMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+        self.engine = engine
+        self.time_scale = time_scale
+        self.publisher = publisher
+        self.metrics = metrics
+        self._clock = clock
+        self._tracked: dict[str, Tracked] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._origin = clock()
+
+    def sim_time(self) -> float:
+        return (self._clock() - self._origin) * self.time_scale
+
+    def submit(self, tracked: Tracked) -> None:
+        """Hand a request to the engine; raises ValueError when the engine refuses it."""
+        self.engine.add(tracked.request)
+        self._tracked[tracked.request.request_id] = tracked
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        if self._tracked.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        deadline = self._clock()
+        while True:
+            if not self.engine.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+            now = self._clock()
+            deadline = max(deadline, now)
+            result = self.engine.step(self.sim_time())
+            deadline += result.duration / self.time_scale
+            delay = deadline - self._clock()
+            await asyncio.sleep(delay if delay > 0 else 0)
+            try:
+                self._deliver(result)
+            except Exception:  # a delivery bug must not stop the replica
+                log.exception("delivering an engine pass failed")
+
+    def _deliver(self, result: StepResult) -> None:
+        now = self._clock()
+        tracked = self._tracked
+        if self.publisher is not None and result.events:
+            self.publisher.publish(result.events)
+        for rid, cached in result.cached_tokens.items():
+            item = tracked.get(rid)
+            if item is not None:
+                item.cached_tokens = cached
+        metrics = self.metrics
+        if metrics is not None and result.preempted:
+            metrics.preemptions.inc(len(result.preempted))
+        for rid in result.tokens:
+            item = tracked.get(rid)
+            if item is None:
+                continue
+            if item.first_token is None:
+                item.first_token = now
+                if metrics is not None:
+                    metrics.ttft.observe((now - item.arrived) * self.time_scale)
+                    metrics.prompt_tokens.inc(item.request.prompt_len)
+            item.emitted += 1
+            item.sink.put_nowait((item.index, TOKEN))
+        if metrics is not None and result.tokens:
+            metrics.generation_tokens.inc(len(result.tokens))
+        for rid in result.finished:
+            item = tracked.pop(rid, None)
+            if item is None:
+                continue
+            item.finished = True
+            if metrics is not None:
+                metrics.e2e.observe((now - item.arrived) * self.time_scale)
+            item.sink.put_nowait((item.index, DONE))

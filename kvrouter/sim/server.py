@@ -1,0 +1,384 @@
+"""One simulated vLLM replica's HTTP server (aiohttp): vLLM's OpenAI API over an engine model.
+
+Endpoints as vLLM serves them: /v1/completions (a string, token ids, or a batch of either), /v1/chat/completions
+(the tokenizer's chat template), both streaming (SSE, `stream_options.include_usage`) or not, with
+`usage.prompt_tokens_details.cached_tokens`; /v1/models, /health, /tokenize, POST /reset_prefix_cache, /metrics.
+A request spends the profile's front-end overhead, then its prompts enter the engine; tokens stream back as the
+engine's passes end. Generation always runs to `max_tokens` (the simulator never samples EOS, so `ignore_eos` is
+accepted and changes nothing); without `max_tokens` a request gets `default_max_tokens`, capped by the context
+window. A client that disconnects has its requests aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from kvrouter.sim.driver import DONE, EngineDriver, Tracked
+from kvrouter.sim.hashing import prompt_hashes
+from kvrouter.sim.metrics import ReplicaMetrics
+from kvrouter.sim.model import EngineModel, EngineRequest
+from kvrouter.sim.publisher import KvEventPublisher
+from kvrouter.sim.textio import SimTokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSettings:
+    name: str
+    model_name: str
+    max_model_len: int
+    request_overhead_s: float = 0.0
+    time_scale: float = 1.0
+    hash_seed: int = 0
+    default_max_tokens: int = 256
+
+
+@dataclass(slots=True)
+class Replica:
+    settings: ReplicaSettings
+    engine: EngineModel
+    driver: EngineDriver
+    tokenizer: SimTokenizer
+    metrics: ReplicaMetrics
+    publisher: KvEventPublisher | None
+    ids: itertools.count[int]
+
+
+REPLICA = web.AppKey("replica", Replica)
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, status: int = 400, type_: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type_
+
+
+def _error(error: ApiError) -> web.Response:
+    body = {"error": {"message": error.message, "type": error.type, "param": None, "code": error.status}}
+    return web.json_response(body, status=error.status)
+
+
+def build_replica_app(
+    settings: ReplicaSettings,
+    engine: EngineModel,
+    tokenizer: SimTokenizer,
+    *,
+    publisher: KvEventPublisher | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> web.Application:
+    metrics = ReplicaMetrics(settings.model_name, engine.gauges)
+    driver = EngineDriver(engine, time_scale=settings.time_scale, publisher=publisher, metrics=metrics, clock=clock)
+    replica = Replica(settings, engine, driver, tokenizer, metrics, publisher, itertools.count())
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[REPLICA] = replica
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    replica = app[REPLICA]
+    if replica.publisher is not None:
+        replica.publisher.start()
+    replica.driver.start()
+    yield
+    await replica.driver.stop()
+    if replica.publisher is not None:
+        await replica.publisher.close()
+
+
+# -- small endpoints -----------------------------------------------------------------------------------------
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def _models(request: web.Request) -> web.Response:
+    settings = request.app[REPLICA].settings
+    created = int(time.time())
+    model = {
+        "id": settings.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": settings.model_name,
+        "parent": None,
+        "max_model_len": settings.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[REPLICA].metrics.render()
+    return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    replica = request.app[REPLICA]
+    ok = replica.engine.reset_prefix_cache()
+    take_events = getattr(replica.engine, "take_events", None)
+    if ok and replica.publisher is not None and callable(take_events):
+        # vLLM publishes AllBlocksCleared with its next pass; an idle engine makes none, so send it now.
+        replica.publisher.publish(take_events())
+    return web.json_response({"success": ok})
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    replica = request.app[REPLICA]
+    try:
+        body = await _json_body(request)
+        if "messages" in body:
+            ids = await replica.tokenizer.chat_ids(_messages(body), body.get("tools"))
+        elif isinstance(body.get("prompt"), str):
+            ids = await replica.tokenizer.completion_ids(body["prompt"])
+        else:
+            raise ApiError("'prompt' (a string) or 'messages' is required")
+    except ApiError as error:
+        return _error(error)
+    strings = replica.tokenizer.token_strings(ids) if body.get("return_token_strs") else None
+    return web.json_response(
+        {"count": len(ids), "max_model_len": replica.settings.max_model_len, "tokens": ids, "token_strs": strings}
+    )
+
+
+# -- request decoding ----------------------------------------------------------------------------------------
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError("request body must be a JSON object")
+    return body
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ApiError("'messages' must be a non-empty list of objects")
+    return messages
+
+
+async def _completion_prompts(replica: Replica, prompt: object) -> list[list[int]]:
+    def is_ids(value: object) -> bool:
+        return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
+
+    if isinstance(prompt, str):
+        return [await replica.tokenizer.completion_ids(prompt)]
+    if is_ids(prompt):
+        assert isinstance(prompt, list)
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [await replica.tokenizer.completion_ids(p) for p in prompt]
+    if isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise ApiError("'prompt' must be a string, a list of strings, token ids or a list of token-id lists")
+
+
+def _max_tokens(body: dict[str, Any], settings: ReplicaSettings, longest_prompt: int) -> int:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    room = settings.max_model_len - longest_prompt
+    if value is None:
+        value = min(settings.default_max_tokens, room)
+    if type(value) is not int or value < 1:
+        raise ApiError("'max_tokens' must be a positive integer")
+    if longest_prompt + value > settings.max_model_len:
+        raise ApiError(
+            f"This model's maximum context length is {settings.max_model_len} tokens. However, you requested "
+            f"{longest_prompt + value} tokens ({longest_prompt} in the messages, {value} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+    return int(value)
+
+
+# -- generation ----------------------------------------------------------------------------------------------
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    replica = request.app[REPLICA]
+    try:
+        body = await _json_body(request)
+        prompts = await _completion_prompts(replica, body.get("prompt"))
+    except ApiError as error:
+        return _error(error)
+    return await _generate(request, replica, body, prompts, chat=False)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    replica = request.app[REPLICA]
+    try:
+        body = await _json_body(request)
+        prompts = [await replica.tokenizer.chat_ids(_messages(body), body.get("tools"))]
+    except ApiError as error:
+        return _error(error)
+    except Exception as error:  # a template that cannot render these messages
+        return _error(ApiError(f"chat template failed: {error}"))
+    return await _generate(request, replica, body, prompts, chat=True)
+
+
+async def _generate(
+    request: web.Request, replica: Replica, body: dict[str, Any], prompts: list[list[int]], *, chat: bool
+) -> web.StreamResponse:
+    settings = replica.settings
+    arrived = time.monotonic()
+    try:
+        max_tokens = _max_tokens(body, settings, max(len(p) for p in prompts))
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ApiError("'cache_salt' must be a non-empty string")
+    except ApiError as error:
+        return _error(error)
+    number = next(replica.ids)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{settings.name}-{number}"
+    if settings.request_overhead_s > 0:
+        await asyncio.sleep(settings.request_overhead_s / settings.time_scale)
+    sink: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+    block_size = replica.engine.block_size
+    tracked: list[Tracked] = []
+    try:
+        for index, ids in enumerate(prompts):
+            outputs = replica.tokenizer.sample_outputs(f"{settings.hash_seed}:{request_id}:{index}", max_tokens)
+            engine_request = EngineRequest(
+                request_id=f"{request_id}-{index}",
+                prompt_len=len(ids),
+                block_hashes=prompt_hashes(ids, block_size, cache_salt=salt, seed=settings.hash_seed),
+                max_tokens=max_tokens,
+                arrival=replica.driver.sim_time(),
+                token_ids=ids,
+                cache_salt=salt,
+                output_token_ids=outputs,
+            )
+            item = Tracked(engine_request, index, sink, arrived)
+            replica.driver.submit(item)
+            tracked.append(item)
+        stream = body.get("stream") is True
+        if stream:
+            options = body.get("stream_options")
+            usage = isinstance(options, dict) and options.get("include_usage") is True
+            return await _stream(request, replica, request_id, tracked, sink, chat=chat, include_usage=usage)
+        return await _complete(replica, request_id, tracked, sink, chat=chat)
+    except ValueError as error:
+        return _error(ApiError(str(error)))
+    finally:
+        for item in tracked:
+            if not item.finished:
+                replica.driver.abort(item.request.request_id)
+
+
+def _usage(tracked: list[Tracked]) -> dict[str, Any]:
+    prompt = sum(t.request.prompt_len for t in tracked)
+    completion = sum(t.emitted for t in tracked)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": sum(t.cached_tokens for t in tracked)},
+    }
+
+
+def _text(replica: Replica, item: Tracked, start: int, end: int) -> str:
+    outputs = item.request.output_token_ids or ()
+    return "".join(replica.tokenizer.text_of(t) for t in outputs[start:end])
+
+
+async def _complete(
+    replica: Replica, request_id: str, tracked: list[Tracked], sink: asyncio.Queue[tuple[int, str]], *, chat: bool
+) -> web.Response:
+    remaining = len(tracked)
+    while remaining:
+        _, kind = await sink.get()
+        if kind == DONE:
+            remaining -= 1
+    choices: list[dict[str, Any]] = []
+    for item in tracked:
+        text = _text(replica, item, 0, item.emitted)
+        if chat:
+            message = {"role": "assistant", "content": text, "tool_calls": []}
+            choices.append(
+                {"index": item.index, "message": message, "logprobs": None, "finish_reason": "length",
+                 "stop_reason": None}
+            )  # fmt: skip
+        else:
+            choices.append(
+                {"index": item.index, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                 "prompt_logprobs": None}
+            )  # fmt: skip
+    body = {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": replica.settings.model_name,
+        "choices": choices,
+        "usage": _usage(tracked),
+    }
+    return web.json_response(body)
+
+
+async def _stream(
+    request: web.Request,
+    replica: Replica,
+    request_id: str,
+    tracked: list[Tracked],
+    sink: asyncio.Queue[tuple[int, str]],
+    *,
+    chat: bool,
+    include_usage: bool,
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    created = int(time.time())
+    head = {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": replica.settings.model_name,
+    }
+    sent = [0] * len(tracked)
+    remaining = len(tracked)
+    with contextlib.suppress(ConnectionResetError):
+        while remaining:
+            index, kind = await sink.get()
+            if kind == DONE:
+                remaining -= 1
+                continue
+            item = tracked[index]
+            if chat and sent[index] == 0:
+                role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}  # fmt: skip
+                await response.write(_sse({**head, "choices": [role]}))
+            text = _text(replica, item, sent[index], item.emitted)
+            sent[index] = item.emitted
+            finish = "length" if item.emitted >= item.request.max_tokens else None
+            if chat:
+                choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            await response.write(_sse({**head, "choices": [choice]}))
+        if include_usage:
+            await response.write(_sse({**head, "choices": [], "usage": _usage(tracked)}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    return response
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
