@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -98,7 +99,7 @@ class Probe:
                 if chunk.get("usage"):
                     usage = chunk["usage"]
         details = usage.get("prompt_tokens_details") or {}
-        gaps = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:], strict=False)]
+        gaps = [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
         return Sample(
             prompt_tokens=int(usage.get("prompt_tokens", len(prompt))),
             cached_tokens=int(details.get("cached_tokens") or 0),

@@ -12,6 +12,7 @@ what VLLM_CPU_KVCACHE_SPACE=1 GiB gives), the CPU core its OpenMP threads bind t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -196,23 +197,17 @@ class VllmServer:
         if process is None:
             return
         if process.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             try:
                 process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 process.wait(timeout=10)
         # The engine core may outlive the API server by a moment; make sure nothing of the group is left.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.process = None
 
     def restart(self, timeout_s: float = 420.0) -> float:
