@@ -1,0 +1,181 @@
+"""Request -> token ids exactly as vLLM computes them, and the multi-turn render cache equals a fresh tokenize."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvrouter.openai_request import ParsedRequest, RequestError, parse_request
+from kvrouter.tinymodel import ensure_tokenizer
+from kvrouter.tokenization import HfPromptTokenizer, build_prompt_tokenizer
+from tests.vllm_captures import model_dir, needs_captures
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tokenizer(tmp_path_factory.mktemp("tok") / "tiny")
+
+
+@pytest.fixture
+def tiny(tiny_dir: Path) -> HfPromptTokenizer:
+    tokenizer = HfPromptTokenizer(tiny_dir, threads=2)
+    yield tokenizer  # type: ignore[misc]
+    tokenizer.close()
+
+
+def chat(**body: Any) -> ParsedRequest:
+    return parse_request("chat", json.dumps({"model": "m", **body}).encode())
+
+
+def completion(**body: Any) -> ParsedRequest:
+    return parse_request("completion", json.dumps({"model": "m", **body}).encode())
+
+
+def fresh_chat_ids(tokenizer: HfPromptTokenizer, request: ParsedRequest) -> list[int]:
+    return list(tokenizer.tokenizer(tokenizer.render(request), add_special_tokens=False).input_ids)
+
+
+# ---- what vLLM 0.32 answered on its /render endpoints for the captured model ---------------------------------
+
+
+@needs_captures
+def test_the_captured_models_chat_and_completion_ids_equal_vllms_render() -> None:
+    tokenizer = HfPromptTokenizer(model_dir(), threads=1)
+    messages = [{"role": "system", "content": "short system"}, {"role": "user", "content": "Hello there"}]
+    assert tokenizer.token_ids(chat(messages=messages)) == [
+        [5, 205, 2388, 1865, 6, 205, 3, 205, 3056, 358, 1365, 6, 205, 4, 205]
+    ]
+    assert tokenizer.token_ids(completion(prompt="Hello world, this is a render test.")) == [
+        [0, 3056, 358, 7814, 18, 542, 317, 273, 8083, 1105, 20]
+    ]
+
+
+# ---- prompt shapes ------------------------------------------------------------------------------------------
+
+
+def test_completion_prompt_shapes(tiny: HfPromptTokenizer) -> None:
+    bos = tiny.tokenizer.bos_token_id
+    one = tiny.token_ids(completion(prompt="def f(x):\n    return x"))
+    assert len(one) == 1 and one[0][0] == bos and one[0].count(bos) == 1
+    batch = tiny.token_ids(completion(prompt=["import os", "import sys"]))
+    assert len(batch) == 2 and all(p[0] == bos for p in batch)
+    assert tiny.token_ids(completion(prompt=[5, 6, 7])) == [[5, 6, 7]]
+    assert tiny.token_ids(completion(prompt=[[5, 6], [7]])) == [[5, 6], [7]]
+    without = tiny.token_ids(completion(prompt="import os", add_special_tokens=False))
+    assert without == [batch[0][1:]]
+    assert tiny.token_ids(completion(prompt=[1, 2, 3, 4, 5], truncate_prompt_tokens=2)) == [[4, 5]]
+
+
+def test_chat_has_exactly_one_bos_and_the_generation_prompt(tiny: HfPromptTokenizer) -> None:
+    bos = tiny.tokenizer.bos_token_id
+    messages = [{"role": "user", "content": "hi"}]
+    ids = tiny.token_ids(chat(messages=messages))[0]
+    assert ids[0] == bos and ids.count(bos) == 1
+    assert tiny.render(chat(messages=messages)).endswith("<|assistant|>\n")
+    assert not tiny.render(chat(messages=messages, add_generation_prompt=False)).endswith("<|assistant|>\n")
+    continued = [*messages, {"role": "assistant", "content": "Hel"}]
+    text = tiny.render(chat(messages=continued, add_generation_prompt=False, continue_final_message=True))
+    assert text.endswith("<|assistant|>\nHel")
+    # add_special_tokens=True on a chat request doubles the BOS, as it does in vLLM.
+    assert tiny.token_ids(chat(messages=messages, add_special_tokens=True))[0][:2] == [bos, bos]
+
+
+def test_tools_text_parts_and_tool_call_arguments(tiny: HfPromptTokenizer) -> None:
+    tool = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    text = tiny.render(chat(messages=messages, tools=[tool]))
+    assert "You can call these tools" in text and '"name": "search"' in text and "a\nb" in text
+    assert '"description": null' in text  # vLLM dumps the validated tool model, absent fields as null
+    call = {"id": "1", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}
+    with_call = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert '"arguments": {"q": "x"}' in tiny.render(chat(messages=with_call))
+
+
+def test_chat_template_kwargs_reach_the_template(tiny: HfPromptTokenizer) -> None:
+    tiny.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
+    )
+    messages = [{"role": "user", "content": "q"}]
+    assert tiny.render(chat(messages=messages, chat_template_kwargs={"enable_thinking": True})) == "q<think>"
+    assert tiny.render(chat(messages=messages)) == "q"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]},
+        {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True, "continue_final_message": True},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{nope"}}]}]},
+        {"messages": [{"role": "raise", "content": "x"}]},
+    ],
+)
+def test_requests_that_cannot_be_rendered_are_400(tiny: HfPromptTokenizer, body: dict[str, Any]) -> None:
+    tiny.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'raise' %}{{ raise_exception('bad role') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(RequestError) as caught:
+        tiny.token_ids(chat(**body))
+    assert caught.value.status == 400
+
+
+# ---- the render cache ---------------------------------------------------------------------------------------
+
+
+def test_a_growing_conversation_reuses_the_previous_turn_and_equals_a_fresh_tokenize(
+    tiny: HfPromptTokenizer,
+) -> None:
+    rng = random.Random(7)
+    words = ["def", "  ", "\n", "class", "x", "=", "(", ")", "é", "日本語", "<|end|>", " \n\n", "return", "tab\t"]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": " ".join(rng.choices(words, k=400))}]
+    for turn in range(12):
+        messages.append({"role": "user", "content": "".join(rng.choices(words, k=rng.randint(5, 60)))})
+        request = chat(messages=messages)
+        assert tiny.token_ids(request) == [fresh_chat_ids(tiny, request)], f"turn {turn}"
+        messages.append({"role": "assistant", "content": "".join(rng.choices(words, k=rng.randint(1, 40)))})
+    assert tiny.cache.partial_hits >= 10
+    again = chat(messages=messages[:-1])
+    assert tiny.token_ids(again) == [fresh_chat_ids(tiny, again)]
+    assert tiny.cache.hits >= 1
+
+
+def test_sibling_conversations_sharing_a_system_prompt_are_exact(tiny: HfPromptTokenizer) -> None:
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+    for question in ["What is 2+2?", "What is 2+2?\n", "What", "What is 2+2? Explain.", ""]:
+        request = chat(messages=[system, {"role": "user", "content": question}])
+        assert tiny.token_ids(request) == [fresh_chat_ids(tiny, request)]
+
+
+def test_the_cache_is_bounded(tiny_dir: Path) -> None:
+    tokenizer = HfPromptTokenizer(tiny_dir, threads=1, cache_entries=3)
+    for n in range(10):
+        tokenizer.token_ids(chat(messages=[{"role": "user", "content": f"question {n} " * 200}]))
+    assert len(tokenizer.cache) == 3
+    tokenizer.close()
+
+
+async def test_tokenization_runs_on_the_worker_threads(tiny: HfPromptTokenizer) -> None:
+    seen: list[str] = []
+    original = tiny.token_ids
+
+    def spy(request: ParsedRequest) -> list[list[int]]:
+        seen.append(threading.current_thread().name)
+        return original(request)
+
+    tiny.token_ids = spy  # type: ignore[method-assign]
+    ids = await tiny.prompt_token_ids(completion(prompt="hello"))
+    assert ids == original(completion(prompt="hello"))
+    assert seen and seen[0].startswith("kvrouter-tokenizer")
+
+
+def test_no_tokenizer_configured_means_none_and_a_bad_path_is_an_error(tmp_path: Path) -> None:
+    assert build_prompt_tokenizer(None, threads=1) is None
+    with pytest.raises(ValueError, match="cannot load the tokenizer"):
+        build_prompt_tokenizer(tmp_path / "missing", threads=1)
