@@ -11,10 +11,12 @@ Its job is to let kvrouter be judged number for number against Dynamo's own offl
   prefill the rest of its prompt up to the budget), then waiting requests strictly first-come-first-served, within
   `max_batched_tokens` and `max_seqs`. A waiting request is admitted only if its whole prompt fits:
   ceil(tokens / block_size) - (its prefix-hit blocks already in use) <= free blocks (anonymous + evictable). Its
-  prefix hits are capped at (prompt_len - 1) // block_size blocks; every prompt block is allocated at admission,
-  so a later admission in the same pass already hits them. Nothing is admitted in a pass that preempted.
+  prefix hits are capped at (prompt_len - 1) // block_size blocks. Room for the whole prompt is reserved at
+  admission; a block becomes a cached, hittable block when the chunk computing it is scheduled, so a later
+  admission in the same pass already hits it. Nothing is admitted in a pass that preempted.
 * Out of blocks for a decode token: the newest running request is preempted (blocks freed, back to the head of
-  the queue) and later recomputes all its tokens.
+  the queue); admitted again, it computes its whole sequence (prompt and output so far) minus what is still
+  cached, and reports that cache hit.
 * Time: prefill_ms = a*T^2 + b*T + c over T uncached tokens in the pass (Dynamo's integer means:
   T = n*(floor(sum prompt/n) - floor(sum prefix/n)) over the n prefilling requests), decode_ms =
   max(1, d2*u^2 + d1*u + d0) with u = (sequence lengths of requests already decoding) / (num_blocks*block_size),
@@ -69,8 +71,10 @@ class _Request:
     """Admission order (set again when a preempted request is admitted again)."""
     epoch: int = 0
     """Bumped whenever the request leaves the running set, which voids its heap entries."""
-    partial: bool = False
-    """Holds an anonymous trailing block."""
+    registered: int = 0
+    """Leading blocks of `hashes` this request holds as cached (hashed) blocks."""
+    anonymous: int = 0
+    """Blocks held without a hash: reserved for prompt blocks not computed yet, or the trailing partial block."""
     generated: int = 0
     """Output tokens emitted so far (while decoding: as of `base_pass`)."""
     base_pass: int = 0
@@ -79,7 +83,8 @@ class _Request:
     prefix_tokens: int = 0
     """Tokens of the sequence already computed or served from cache."""
     decoding: bool = False
-    admitted_once: bool = False
+    counted: bool = False
+    """Its first admission went into the prefix-cache counters."""
 
     def generated_at(self, pass_number: int) -> int:
         if not self.decoding:
@@ -110,47 +115,52 @@ class _BlockPool:
             victims = tuple(popitem(last=False)[0] for _ in range(count - spare))
             self.events.append(RemovedBlocks(victims))
 
-    def use_all(self, hashes: list[int]) -> None:
-        """Hold every block of `hashes` (a prefix-chained run): hits first, so making room never evicts them."""
+    def hold(self, hashes: list[int]) -> None:
+        """Take a reference on cached blocks (prefix hits): in use already, or back from the LRU."""
         active = self.active
         inactive = self.inactive
-        fresh: list[int] = []
         for block_hash in hashes:
             count = active.get(block_hash)
             if count is not None:
                 active[block_hash] = count + 1
+            else:
+                del inactive[block_hash]
+                active[block_hash] = 1
+
+    def reserve(self, count: int) -> None:
+        """Anonymous blocks: free capacity first, then evicted cached blocks."""
+        self._take_slots(count)
+        self.partial += count
+
+    def register(self, hashes: list[int], parent: int | None) -> None:
+        """Reserved blocks were computed: each becomes a cached block under its hash (or joins an equal one)."""
+        active = self.active
+        inactive = self.inactive
+        stored: list[int] = []
+        for block_hash in hashes:
+            count = active.get(block_hash)
+            if count is not None:
+                active[block_hash] = count + 1
+                self.partial -= 1
             elif block_hash in inactive:
                 del inactive[block_hash]
                 active[block_hash] = 1
+                self.partial -= 1
             else:
-                fresh.append(block_hash)
-        if not fresh:
-            return
-        self._take_slots(len(fresh))
-        for block_hash in fresh:
-            active[block_hash] = 1
-        start = hashes.index(fresh[0])
-        if hashes[start : start + len(fresh)] == fresh:
-            self.events.append(StoredBlocks(tuple(fresh), hashes[start - 1] if start else None, None, self.block_size))
-        else:  # not one contiguous run (a block in the middle survived eviction): one event per block
-            for block_hash in fresh:
-                position = hashes.index(block_hash)
-                parent = hashes[position - 1] if position else None
-                self.events.append(StoredBlocks((block_hash,), parent, None, self.block_size))
+                active[block_hash] = 1
+                self.partial -= 1
+                stored.append(block_hash)
+        if stored:
+            if len(stored) == len(hashes):
+                self.events.append(StoredBlocks(tuple(stored), parent, None, self.block_size))
+            else:
+                for block_hash in stored:
+                    position = hashes.index(block_hash)
+                    before = hashes[position - 1] if position else parent
+                    self.events.append(StoredBlocks((block_hash,), before, None, self.block_size))
 
-    def use_partial(self) -> None:
-        self._take_slots(1)
-        self.partial += 1
-
-    def promote_partial(self, block_hash: int, parent: int | None) -> None:
-        """A request's anonymous block filled up: it becomes a cached full block under its own hash."""
-        self.partial -= 1
-        self.active[block_hash] = 1
-        self.events.append(StoredBlocks((block_hash,), parent, None, self.block_size))
-
-    def release(self, hashes: list[int], partial: bool) -> None:
-        if partial:
-            self.partial -= 1
+    def release(self, hashes: list[int], anonymous: int) -> None:
+        self.partial -= anonymous
         active = self.active
         for block_hash in reversed(hashes):
             count = active[block_hash] - 1
@@ -159,9 +169,6 @@ class _BlockPool:
             else:
                 del active[block_hash]
                 self.inactive[block_hash] = None
-
-    def cached(self, block_hash: int) -> bool:
-        return block_hash in self.active or block_hash in self.inactive
 
 
 class DynamoMockerEngine:
@@ -205,8 +212,7 @@ class DynamoMockerEngine:
             return
         if request_id in self._running:
             self._leave_running(state)
-            self._pool.release(state.hashes, state.partial)
-            state.partial = False
+            self._release(state)
         else:
             self._waiting.remove(state)
 
@@ -232,7 +238,7 @@ class DynamoMockerEngine:
         )
 
     def step(self, now: float) -> StepResult:
-        del now  # the mocker's passes depend on their contents only
+        del now  # a pass's cost depends on its contents only
         result = StepResult(duration=0.0)
         decoding = len(self._decoders)
         decode_len = self._decode_len_sum
@@ -244,7 +250,7 @@ class DynamoMockerEngine:
                 break
             if not state.decoding:
                 chunk = min(state.to_prefill, budget)
-                prefills.append((state, chunk))
+                self._schedule_prefill(state, chunk, prefills)
                 budget -= chunk
         if not preempted:
             self._admit(budget, prefills, result)
@@ -267,10 +273,11 @@ class DynamoMockerEngine:
             if epoch == state.epoch:
                 due.append(state)
         preempted = False
+        pool = self._pool
         for state in due:  # heap order is admission order within a pass
             if not state.decoding:
                 continue  # preempted earlier in this pass
-            while self._pool.free() <= 0:
+            while pool.free() <= 0:
                 victim = next(reversed(self._running.values()))
                 self._preempt(victim, result)
                 preempted = True
@@ -278,25 +285,25 @@ class DynamoMockerEngine:
                     break
             if not state.decoding:
                 continue
-            if state.partial:
-                # Its anonymous block is full: it becomes a cached block under a hash of its own.
-                self._output_hashes += 1
-                block_hash = -self._output_hashes
-                self._pool.promote_partial(block_hash, state.hashes[-1] if state.hashes else None)
-                state.hashes.append(block_hash)
-            self._pool.use_partial()
-            state.partial = True
+            if state.anonymous:
+                # The trailing block is full: it becomes a cached block under a hash of its own.
+                if state.registered == len(state.hashes):
+                    self._output_hashes += 1
+                    state.hashes.append(-self._output_hashes)
+                parent = state.hashes[state.registered - 1] if state.registered else None
+                pool.register(state.hashes[state.registered : state.registered + 1], parent)
+                state.registered += 1
+                state.anonymous -= 1
+            pool.reserve(1)
+            state.anonymous += 1
             self._push_block_event(state)
         return preempted
 
-    def _capacity(self, state: _Request) -> int:
-        return (len(state.hashes) + (1 if state.partial else 0)) * self.block_size
-
     def _push_block_event(self, state: _Request) -> None:
-        """A decode pass computes the last emitted token: it needs room for the whole sequence at its start."""
+        """A decode pass computes the last emitted token, so it needs room for the whole sequence at its start."""
         length = state.spec.prompt_len + state.generated_at(self._pass)
-        need_pass = self._pass + self._capacity(state) - length + 1
-        heapq.heappush(self._block_heap, (need_pass, state.order, state.epoch, state))
+        capacity = (state.registered + state.anonymous) * self.block_size
+        heapq.heappush(self._block_heap, (self._pass + capacity - length + 1, state.order, state.epoch, state))
 
     def _leave_running(self, state: _Request) -> None:
         del self._running[state.spec.request_id]
@@ -308,15 +315,31 @@ class DynamoMockerEngine:
             del self._decoders[state.spec.request_id]
         state.epoch += 1
 
+    def _release(self, state: _Request) -> None:
+        self._pool.release(state.hashes[: state.registered], state.anonymous)
+        state.registered = 0
+        state.anonymous = 0
+
     def _preempt(self, state: _Request, result: StepResult) -> None:
         self._leave_running(state)
-        self._pool.release(state.hashes, state.partial)
-        state.partial = False
+        self._release(state)
         self._waiting.appendleft(state)
         result.preempted.append(state.spec.request_id)
 
+    def _schedule_prefill(self, state: _Request, chunk: int, prefills: list[tuple[_Request, int]]) -> None:
+        """Blocks this chunk completes become cached now, so later admissions in the same pass hit them."""
+        prefills.append((state, chunk))
+        covered = min(len(state.hashes), (state.prefix_tokens + chunk) // self.block_size)
+        if covered > state.registered:
+            parent = state.hashes[state.registered - 1] if state.registered else None
+            self._pool.register(state.hashes[state.registered : covered], parent)
+            state.anonymous -= covered - state.registered
+            state.registered = covered
+
     def _admit(self, budget: int, prefills: list[tuple[_Request, int]], result: StepResult) -> None:
         pool = self._pool
+        active = pool.active
+        inactive = pool.inactive
         size = self.block_size
         waiting = self._waiting
         max_seqs = self.config.max_seqs
@@ -330,32 +353,31 @@ class DynamoMockerEngine:
             for block_hash in state.hashes:
                 if hits >= limit:
                     break
-                if block_hash in pool.active:
+                if block_hash in active:
                     in_use += 1
-                elif block_hash not in pool.inactive:
+                elif block_hash not in inactive:
                     break
                 hits += 1
-            if -(-tokens // size) - in_use > pool.free():
+            needed = -(-tokens // size)
+            if needed - in_use > pool.free():
                 break
             waiting.popleft()
-            pool.use_all(state.hashes)
-            if tokens % size:
-                pool.use_partial()
-                state.partial = True
-            if state.admitted_once:
-                state.prefix_tokens = 0  # a preempted request recomputes everything it had
-            else:
-                state.admitted_once = True
-                state.prefix_tokens = hits * size
-                result.cached_tokens[spec.request_id] = state.prefix_tokens
+            pool.hold(state.hashes[:hits])
+            pool.reserve(needed - hits)
+            state.registered = hits
+            state.anonymous = needed - hits
+            state.prefix_tokens = hits * size
+            state.to_prefill = tokens - state.prefix_tokens
+            result.cached_tokens[spec.request_id] = state.prefix_tokens
+            if state.generated == 0 and not state.counted:
+                state.counted = True
                 self._prefix_queries += spec.prompt_len
                 self._prefix_hits += state.prefix_tokens
-            state.to_prefill = tokens - state.prefix_tokens
             self._orders += 1
             state.order = self._orders
             self._running[spec.request_id] = state
             chunk = min(state.to_prefill, budget)
-            prefills.append((state, chunk))
+            self._schedule_prefill(state, chunk, prefills)
             budget -= chunk
 
     def _prefill_ms(self, prefills: list[tuple[_Request, int]]) -> float:
@@ -411,9 +433,7 @@ class DynamoMockerEngine:
             heapq.heappush(self._finish_heap, (last_pass, state.order, state.epoch, state))
 
     def _finish(self, state: _Request, result: StepResult) -> None:
-        request_id = state.spec.request_id
         self._leave_running(state)
-        self._pool.release(state.hashes, state.partial)
-        state.partial = False
-        del self._requests[request_id]
-        result.finished.append(request_id)
+        self._release(state)
+        del self._requests[state.spec.request_id]
+        result.finished.append(state.spec.request_id)

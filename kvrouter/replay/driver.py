@@ -1,0 +1,317 @@
+"""The virtual-clock replay loop: trace arrivals, engine passes, KV events and metric scrapes on one event heap.
+
+Routing goes through the live router's own objects — `Router` (candidates from the `PrefixIndex`, the engine's
+cached-token rule, the policy's pure `select`, then `commit`: policy state, provisional entries, a `LoadBook`
+ticket) — only the clock is virtual. Each engine runs passes back to back while it has work; a pass starts at
+the end of the previous one, or when a request reaches an idle engine. What a pass produced becomes visible at
+its end: first tokens and finishes move the load book, and its KV events reach the index then (plus
+`event_delay_s`, to model a slow event path). Engine gauges are sampled every `scrape_interval_s` of virtual time
+into `LoadBook.observe_engine`, as the live router scrapes /metrics. At equal times, pass ends and events come
+before scrapes and arrivals, and passes start last, so simultaneous arrivals share a pass.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+from kvrouter.index import PrefixIndex
+from kvrouter.load import EngineGauges, LoadBook, Ticket
+from kvrouter.policies.base import Policy
+from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog, SizedPrompt
+from kvrouter.replay.trace import TraceRequest
+from kvrouter.routing import Route, Router, RoutingFacts
+from kvrouter.sim.model import CacheCleared, EngineModel, EngineRequest, KvEvent, RemovedBlocks, StepResult
+from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
+
+EngineFactory = Callable[[], EngineModel]
+
+_PASS_END, _KV_EVENTS, _SCRAPE, _ARRIVAL, _PASS_START = range(5)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    replicas: int = 4
+    event_delay_s: float = 0.0
+    """Extra delay between a pass's end and its KV events reaching the index."""
+    scrape_interval_s: float = 1.0
+    """Virtual seconds between engine gauge samples (0: never)."""
+    hash_seed: int = 0
+    provisional_ttl_s: float = 5.0
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    index: int
+    replica: str
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    predicted_cached: int
+    cached_tokens: int = 0
+    first_token: float | None = None
+    finish: float | None = None
+    preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    policy: str
+    records: list[RequestRecord]
+    replicas: list[str]
+    passes: int = 0
+    unknown_removals: int = 0
+    end_time: float = 0.0
+
+
+@dataclass(slots=True)
+class _Engine:
+    name: ReplicaName
+    model: EngineModel
+    busy: bool = False
+    start_queued: bool = False
+    passes: int = field(default=0)
+
+
+def replica_names(count: int) -> list[ReplicaName]:
+    return [ReplicaName(f"engine-{number}") for number in range(count)]
+
+
+class Replay:
+    """One policy over one trace; `run()` once."""
+
+    def __init__(
+        self,
+        *,
+        requests: Sequence[TraceRequest],
+        prompts: Sequence[PreparedPrompt],
+        catalog: PromptCatalog,
+        policy: Policy,
+        engine_factory: EngineFactory,
+        options: ReplayOptions | None = None,
+    ) -> None:
+        self.options = options or ReplayOptions()
+        self.requests = requests
+        self.prompts = prompts
+        self.catalog = catalog
+        self.now = 0.0
+        self.index = PrefixIndex(provisional_ttl_s=self.options.provisional_ttl_s)
+        self.load = LoadBook()
+        self.router = Router(
+            policy=policy, load=self.load, index=self.index, hash_seed=self.options.hash_seed, clock=self._clock
+        )
+        self.engines = [_Engine(name, engine_factory()) for name in replica_names(self.options.replicas)]
+        block_size = self.engines[0].model.block_size
+        if block_size != catalog.block_size:
+            raise ValueError(f"the engines' block size {block_size} differs from the prompts' {catalog.block_size}")
+        self.routes = [Route(engine.name, block_size) for engine in self.engines]
+        self._by_name = {engine.name: engine for engine in self.engines}
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._sequence = 0
+        self._tickets: dict[str, Ticket] = {}
+        self._records: dict[str, RequestRecord] = {}
+        self._unfinished = 0
+        self._result = ReplayResult(policy.name, [], [str(engine.name) for engine in self.engines])
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _push(self, time: float, kind: int, payload: object) -> None:
+        self._sequence += 1
+        heapq.heappush(self._heap, (time, kind, self._sequence, payload))
+
+    def run(self) -> ReplayResult:
+        for position in range(len(self.requests)):
+            self._push(self.requests[position].arrival, _ARRIVAL, position)
+        self._unfinished = len(self.requests)
+        if self.options.scrape_interval_s > 0:
+            self._push(0.0, _SCRAPE, None)
+        heap = self._heap
+        while heap:
+            time, kind, _, payload = heapq.heappop(heap)
+            self.now = time
+            if kind == _PASS_END:
+                self._pass_end(cast(tuple[_Engine, StepResult], payload))
+            elif kind == _PASS_START:
+                self._pass_start(cast(_Engine, payload))
+            elif kind == _ARRIVAL:
+                self._arrival(cast(int, payload))
+            elif kind == _KV_EVENTS:
+                engine, events = cast(tuple[_Engine, list[KvEvent]], payload)
+                self._apply_events(engine.name, events)
+            elif kind == _SCRAPE:
+                self._scrape()
+        result = self._result
+        result.records = [self._records[str(request.index)] for request in self.requests]
+        result.passes = sum(engine.passes for engine in self.engines)
+        result.end_time = self.now
+        return result
+
+    # -- handlers --------------------------------------------------------------------------------------------
+
+    def _arrival(self, position: int) -> None:
+        request = self.requests[position]
+        prepared = self.prompts[position]
+        block_size = self.catalog.block_size
+        facts = RoutingFacts(
+            [cast(list[int], SizedPrompt(self.catalog, request))],
+            max_tokens=request.output_length,
+            _keys={block_size: prepared.keys},
+        )
+        decision = self.router.decide(facts, self.routes)
+        engine = self._by_name[decision.chosen]
+        ticket = self.router.commit(decision, facts, self.routes[self.engines.index(engine)])
+        request_id = str(request.index)
+        self._tickets[request_id] = ticket
+        chosen = decision.score_of(decision.chosen)
+        self._records[request_id] = RequestRecord(
+            index=request.index,
+            replica=str(engine.name),
+            arrival=self.now,
+            prompt_tokens=request.input_length,
+            output_tokens=request.output_length,
+            predicted_cached=chosen.cached_tokens if chosen is not None else 0,
+        )
+        engine.model.add(
+            EngineRequest(
+                request_id=request_id,
+                prompt_len=request.input_length,
+                block_hashes=prepared.engine_hashes,
+                max_tokens=request.output_length,
+                arrival=self.now,
+            )
+        )
+        self._queue_start(engine)
+
+    def _queue_start(self, engine: _Engine) -> None:
+        if not engine.busy and not engine.start_queued:
+            engine.start_queued = True
+            self._push(self.now, _PASS_START, engine)
+
+    def _pass_start(self, engine: _Engine) -> None:
+        engine.start_queued = False
+        if engine.busy or not engine.model.has_work():
+            return
+        result = engine.model.step(self.now)
+        engine.passes += 1
+        if result.duration <= 0 and not (result.first_tokens or result.tokens or result.finished):
+            return  # nothing schedulable: stay idle until the next arrival
+        engine.busy = True
+        self._push(self.now + result.duration, _PASS_END, (engine, result))
+
+    def _pass_end(self, payload: tuple[_Engine, StepResult]) -> None:
+        engine, result = payload
+        engine.busy = False
+        now = self.now
+        records = self._records
+        for request_id, cached in result.cached_tokens.items():
+            records[request_id].cached_tokens = cached
+        for request_id in result.preempted:
+            records[request_id].preemptions += 1
+        for request_id in result.first_tokens:
+            records[request_id].first_token = now
+            self.load.first_token(self._tickets[request_id])
+        for request_id in result.finished:
+            records[request_id].finish = now
+            self.load.finish(self._tickets.pop(request_id))
+            self._unfinished -= 1
+        if result.events:
+            if self.options.event_delay_s > 0:
+                self._push(now + self.options.event_delay_s, _KV_EVENTS, (engine, result.events))
+            else:
+                self._apply_events(engine.name, result.events)
+        self._queue_start(engine)
+
+    def _apply_events(self, replica: ReplicaName, events: Sequence[KvEvent]) -> None:
+        """Events in order, consecutive stores batched into one index call."""
+        key_of = self.catalog.key_of
+        hashes: list[EngineBlockHash] = []
+        keys: list[BlockKey] = []
+        for event in events:
+            if isinstance(event, RemovedBlocks):
+                if hashes:
+                    self.index.store_keys(replica, hashes, keys)
+                    hashes, keys = [], []
+                self._result.unknown_removals += self.index.remove_blocks(
+                    replica, [EngineBlockHash(h) for h in event.block_hashes if key_of(h) is not None]
+                )
+            elif isinstance(event, CacheCleared):
+                hashes, keys = [], []
+                self.index.clear(replica)
+            else:
+                for block_hash in event.block_hashes:
+                    key = key_of(block_hash)
+                    if key is not None:  # output blocks: their tokens are not in the trace
+                        hashes.append(EngineBlockHash(block_hash))
+                        keys.append(key)
+        if hashes:
+            self.index.store_keys(replica, hashes, keys)
+
+    def _scrape(self) -> None:
+        for engine in self.engines:
+            gauges = engine.model.gauges()
+            self.load.observe_engine(
+                engine.name, EngineGauges(gauges.num_waiting, gauges.num_running, gauges.kv_usage)
+            )
+        if self._unfinished > 0:
+            self._push(self.now + self.options.scrape_interval_s, _SCRAPE, None)
+
+
+def replay_policy(
+    *,
+    requests: Sequence[TraceRequest],
+    prompts: Sequence[PreparedPrompt],
+    catalog: PromptCatalog,
+    policy: Policy,
+    engine_factory: EngineFactory,
+    options: ReplayOptions | None = None,
+) -> ReplayResult:
+    return Replay(
+        requests=requests,
+        prompts=prompts,
+        catalog=catalog,
+        policy=policy,
+        engine_factory=engine_factory,
+        options=options,
+    ).run()
+
+
+def floor_ttfts(
+    requests: Sequence[TraceRequest], prompts: Sequence[PreparedPrompt], engine_factory: EngineFactory
+) -> list[float]:
+    """Each request's TTFT alone on an idle engine whose cache holds every block any earlier request had."""
+    seen: set[int] = set()
+    floors: list[float] = []
+    for request, prompt in zip(requests, prompts, strict=True):
+        hashes = prompt.engine_hashes
+        best = 0
+        for block_hash in hashes:
+            if block_hash not in seen:
+                break
+            best += 1
+        engine = engine_factory()
+        if best:
+            warm = EngineRequest("warm", best * engine.block_size, hashes[:best], 1, 0.0)
+            engine.add(warm)
+            while engine.has_work():
+                engine.step(0.0)
+        engine.add(EngineRequest("probe", request.input_length, hashes, 1, 0.0))
+        elapsed = 0.0
+        while True:
+            step = engine.step(elapsed)
+            elapsed += step.duration
+            if "probe" in step.first_tokens or not engine.has_work():
+                break
+        floors.append(elapsed)
+        seen.update(hashes)
+    return floors
