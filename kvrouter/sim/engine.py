@@ -34,9 +34,7 @@ from kvrouter.sim.model import EngineGaugesSnapshot, EngineRequest, KvEvent, Ste
 
 
 class StepTiming(Protocol):
-    def step_time(
-        self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_attention: float
-    ) -> float:
+    def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_attention: float) -> float:
         """Seconds for one pass: prompt tokens computed, decoding sequences, tokens of KV read by attention,
         and sum over prefill chunks of chunk length x mean context of the chunk (the quadratic part)."""
         ...

@@ -54,12 +54,12 @@ CPU), max_model_len 4096. Check: an uncached 2,048-token prompt gives 140 ms in 
 client TTFT 138-142 ms); the same prompt repeated (2,016 cached) gives 8 + 9 = 17 ms (measured 14-18 ms).
 Before that calibration existed, runs/s1_basic_bs32 of the fixtures (latency.json) suggested a similar shape.
 
-`dynamo-mocker` — the Dynamo mocker's engine model (`sim/mocker.py`), with the `b200x4-moe-1t` capacity.
+`dynamo-mocker` — Dynamo 1.6.1's mocker engine model (`sim/mocker.py`) with its own pass timing and defaults
+(16,384 blocks of 64 tokens, 8,192-token budget, 256 sequences); the HTTP front end uses `b200x4-moe-1t`'s.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, replace
 
 from kvrouter.sim.engine import SchedulerConfig, VllmEngine
@@ -83,9 +83,7 @@ class Profile:
     engine: str = "vllm"
     """"vllm" (sim/engine.py) or "dynamo-mocker" (sim/mocker.py)."""
 
-    def step_time(
-        self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_attention: float
-    ) -> float:
+    def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_attention: float) -> float:
         if prefill_tokens == 0 and decode_seqs == 0:
             return self.step_overhead_s
         return (
@@ -159,7 +157,8 @@ PROFILES: dict[str, Profile] = {
 PROFILES["dynamo-mocker"] = replace(
     PROFILES["b200x4-moe-1t"],
     name="dynamo-mocker",
-    summary="Dynamo 1.6.1 mocker engine model with the b200x4-moe-1t capacity",
+    summary="Dynamo 1.6.1's mocker engine model with its defaults (16,384 blocks of 64, its own pass timing)",
+    kv_capacity_tokens=16_384 * 64,
     engine="dynamo-mocker",
 )
 
@@ -180,17 +179,18 @@ def build_engine(
     hash_seed: int = 0,
 ) -> EngineModel:
     """The engine model a profile names, sized by the profile unless overridden."""
-    config = profile.scheduler_config(block_size=block_size, num_gpu_blocks=num_gpu_blocks)
     if profile.engine == "vllm":
+        config = profile.scheduler_config(block_size=block_size, num_gpu_blocks=num_gpu_blocks)
         return VllmEngine(config, profile, hash_seed=hash_seed)
     if profile.engine == "dynamo-mocker":
-        try:
-            mocker = importlib.import_module("kvrouter.sim.mocker")
-        except ImportError as error:
-            raise ValueError(f"profile {profile.name!r} needs kvrouter.sim.mocker: {error}") from None
-        factory = getattr(mocker, "build_engine", None)
-        if factory is None:
-            raise ValueError("kvrouter.sim.mocker has no build_engine(config, timing, hash_seed=...)")
-        engine: EngineModel = factory(config, profile, hash_seed=hash_seed)
-        return engine
+        from kvrouter.sim.mocker import DynamoMockerEngine, MockerConfig
+
+        # Dynamo's mocker has its own timing and no null block: its num_blocks is the whole pool.
+        defaults = MockerConfig()
+        mocker_config = replace(
+            defaults,
+            num_blocks=num_gpu_blocks if num_gpu_blocks is not None else defaults.num_blocks,
+            block_size=block_size or defaults.block_size,
+        )
+        return DynamoMockerEngine(mocker_config)
     raise ValueError(f"profile {profile.name!r} names an unknown engine {profile.engine!r}")

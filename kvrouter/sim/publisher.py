@@ -93,6 +93,9 @@ class KvEventPublisher:
         self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
+        self.bound_endpoint: str | None = None
+        """Where the PUB socket actually listens (a `*` port resolved), once started."""
+        self.bound_replay_endpoint: str | None = None
 
     @property
     def next_seq(self) -> int:
@@ -103,11 +106,13 @@ class KvEventPublisher:
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 100_000)
         pub.bind(self.endpoint)
+        self.bound_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pub = pub
         if self.replay_endpoint is not None:
             replay = self._context.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
             replay.bind(self.replay_endpoint)
+            self.bound_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
             self._replay = replay
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
