@@ -11,10 +11,10 @@ faster than real time (below 1: slower, which spares a small machine the streami
 think times and the trace speed-up are given in engine time and scaled here, and the report shows engine time.
 
 `--router-cmd 'NAME=COMMAND'` runs another router in front of the same kind of fleet; COMMAND is a template
-with {port}, {worker_urls} (space-separated), {worker_urls_csv}, {replicas_file} and {kv_event_sources}
-(NAME=tcp://HOST:PORT, space-separated); see docs/benchmarks.md for the commands used with smg,
-sglang-router and vllm-router. `--target 'NAME=URL'` load-tests an endpoint that is already running (no
-simulator; replica metrics only from `--target-metrics`).
+with {port}, {worker_urls} (space-separated), {worker_urls_csv}, {replicas_file}, {block_size},
+{kv_event_sources} (WORKER_URL=tcp://HOST:PORT, space-separated) and {kv_event_source_flags}; see
+docs/benchmarks.md for the commands used with smg, sglang-router and vllm-router. `--target 'NAME=URL'`
+load-tests an endpoint that is already running (no simulator; replica metrics only from `--target-metrics`).
 """
 
 from __future__ import annotations

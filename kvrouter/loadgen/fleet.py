@@ -141,6 +141,7 @@ class SimFleet:
     """Replica name -> base URL."""
     kv_endpoints: dict[str, str]
     """Replica name -> ZMQ PUB endpoint of its KV events (when the simulator publishes them)."""
+    block_size: int
 
 
 def start_sim(
@@ -178,7 +179,7 @@ def start_sim(
     endpoints = {str(r["name"]): str(r["kv_events"]["endpoint"]) for r in fleet["replicas"] if r.get("kv_events")}
     for url in urls.values():
         wait_ready(child, url + "/health")
-    return SimFleet(child, replicas_file, urls, endpoints)
+    return SimFleet(child, replicas_file, urls, endpoints, int(fleet.get("block_size") or 16))
 
 
 def start_kvrouter(replicas_file: Path, port: int, policy: str, log: Path, extra: Sequence[str] = ()) -> Child:
@@ -193,13 +194,17 @@ def start_kvrouter(replicas_file: Path, port: int, policy: str, log: Path, extra
 
 def render_router_cmd(template: str, port: int, sim: SimFleet) -> list[str]:
     """Fill a `--router-cmd` template: {port}, {worker_urls} (space-separated), {worker_urls_csv},
-    {replicas_file}, {kv_event_sources} (NAME=tcp://... space-separated)."""
+    {replicas_file}, {block_size}, {kv_event_sources} (WORKER_URL=tcp://... space-separated) and
+    {kv_event_source_flags} (`--kv-event-source WORKER_URL=tcp://...` once per replica, vllm-router's form)."""
+    pairs = [f"{sim.replicas[name]}={endpoint}" for name, endpoint in sim.kv_endpoints.items()]
     values = {
         "port": str(port),
         "worker_urls": " ".join(sim.replicas.values()),
         "worker_urls_csv": ",".join(sim.replicas.values()),
         "replicas_file": str(sim.replicas_file),
-        "kv_event_sources": " ".join(f"{name}={url}" for name, url in sim.kv_endpoints.items()),
+        "block_size": str(sim.block_size),
+        "kv_event_sources": " ".join(pairs),
+        "kv_event_source_flags": " ".join(f"--kv-event-source {pair}" for pair in pairs),
     }
     return shlex.split(template.format(**values))
 
