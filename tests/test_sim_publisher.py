@@ -170,7 +170,7 @@ async def test_replay_socket_answers_a_dealer_like_vllm(context: zmq.asyncio.Con
         await publisher.close()
     assert [r[:3] for r in replies[:3]] == [[b"", b"kv-events", s.to_bytes(8, "big")] for s in (2, 3, 4)]
     assert replies[3] == [b"", b"", END_SEQ.to_bytes(8, "big"), b""]
-    ts, events, rank = msgpack.unpackb(replies[0][3], raw=False)
+    _ts, events, rank = msgpack.unpackb(replies[0][3], raw=False)
     assert events[0]["block_hashes"] == [1, 2] and rank == 0
     assert first[:2] == [b"kv-events", (0).to_bytes(8, "big")] and len(first) == 3
     if RUNS.is_dir():  # the same frame layout as the captured real replies

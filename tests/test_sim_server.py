@@ -1,0 +1,197 @@
+"""A simulated replica over real sockets: vLLM's OpenAI API, usage, metrics, reset, disconnects, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+
+from kvrouter.config import load_fleet
+from kvrouter.sim.profiles import build_engine, get_profile
+from kvrouter.sim.server import ReplicaSettings, build_replica_app
+from kvrouter.sim.textio import SimTokenizer
+from kvrouter.tinymodel import ensure_tokenizer
+
+Client = TestClient[web.Request, web.Application]
+MakeClient = Callable[[web.Application], Awaitable[Client]]
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> SimTokenizer:
+    return SimTokenizer(ensure_tokenizer())
+
+
+@pytest.fixture
+async def client(aiohttp_client: MakeClient, tokenizer: SimTokenizer) -> Client:
+    profile = get_profile("cpu-tiny")
+    settings = ReplicaSettings(
+        name="t0", model_name="tiny", max_model_len=4096, request_overhead_s=profile.request_overhead_s,
+        time_scale=20.0,
+    )  # fmt: skip
+    app = build_replica_app(settings, build_engine(profile, block_size=BLOCK), tokenizer)
+    return await aiohttp_client(app)
+
+
+def sse_events(raw: str) -> list[Any]:
+    events: list[Any] = []
+    for line in raw.split("\n"):
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def metric(client: Client, name: str) -> float:
+    text = await (await client.get("/metrics")).text()
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            assert 'engine="0"' in line and 'model_name="tiny"' in line
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+LONG = " ".join(f"clause {i} of the shared system prompt says something specific." for i in range(30))
+
+
+async def test_completion_reports_usage_and_cached_tokens(client: Client) -> None:
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 5}
+    first = await (await client.post("/v1/completions", json=body)).json()
+    second = await (await client.post("/v1/completions", json=body)).json()
+    usage = first["usage"]
+    prompt = usage["prompt_tokens"]
+    assert prompt > 3 * BLOCK
+    assert usage["completion_tokens"] == 5 and usage["total_tokens"] == prompt + 5
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // BLOCK * BLOCK
+    choice = first["choices"][0]
+    assert first["object"] == "text_completion" and choice["finish_reason"] == "length"
+    assert isinstance(choice["text"], str) and len(choice["text"].split()) == 5
+    assert await metric(client, "vllm:prefix_cache_queries_total") == 2 * prompt
+    assert await metric(client, "vllm:prefix_cache_hits_total") == (prompt - 1) // BLOCK * BLOCK
+
+
+async def test_streaming_completion_with_usage(client: Client) -> None:
+    body = {"prompt": LONG, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    response = await client.post("/v1/completions", json=body)
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(await response.text())
+    assert events[-1] == "[DONE]"
+    tokens, usage = events[:-2], events[-2]
+    assert len(tokens) == 4
+    assert [e["choices"][0]["finish_reason"] for e in tokens] == [None, None, None, "length"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    without = sse_events(await (await client.post("/v1/completions", json={**body, "stream_options": None})).text())
+    assert all("usage" not in e for e in without[:-1])
+
+
+async def test_token_id_and_batch_prompts(client: Client) -> None:
+    ids = list(range(300, 300 + 3 * BLOCK + 5))
+    one = await (await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2})).json()
+    assert one["usage"]["prompt_tokens"] == len(ids)
+    batch = await (await client.post("/v1/completions", json={"prompt": [ids, ids[:40]], "max_tokens": 3})).json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert batch["usage"]["prompt_tokens"] == len(ids) + 40
+    assert batch["usage"]["completion_tokens"] == 6
+    assert batch["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK + BLOCK  # both hit the first ids
+
+
+async def test_chat_uses_the_chat_template_without_extra_special_tokens(
+    client: Client, tokenizer: SimTokenizer
+) -> None:
+    messages = [{"role": "system", "content": LONG}, {"role": "user", "content": "Hello there"}]
+    counted = await (await client.post("/tokenize", json={"messages": messages})).json()
+    assert counted["tokens"] == tokenizer.encode_chat(messages)
+    assert counted["tokens"].count(counted["tokens"][0]) == 1  # one BOS, from the template
+    reply = await (await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})).json()
+    assert reply["object"] == "chat.completion"
+    assert reply["usage"]["prompt_tokens"] == counted["count"]
+    assert reply["choices"][0]["message"]["role"] == "assistant"
+    streamed = sse_events(
+        await (
+            await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "stream": True})
+        ).text()
+    )
+    assert streamed[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert streamed[0]["object"] == "chat.completion.chunk"
+    assert [e["choices"][0]["finish_reason"] for e in streamed[1:-1]] == [None, "length"]
+    plain = await (await client.post("/tokenize", json={"prompt": "Hello"})).json()
+    assert plain["tokens"] == tokenizer.encode_completion("Hello")
+
+
+async def test_models_health_reset_and_errors(client: Client) -> None:
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 4096
+    assert (await client.get("/health")).status == 200
+    body = {"prompt": LONG, "max_tokens": 2}
+    await client.post("/v1/completions", json=body)
+    reset = await client.post("/reset_prefix_cache")
+    assert reset.status == 200 and (await reset.json()) == {"success": True}
+    again = await (await client.post("/v1/completions", json=body)).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    too_long = await client.post("/v1/completions", json={"prompt": LONG, "max_tokens": 5000})
+    assert too_long.status == 400 and "maximum context length" in (await too_long.json())["error"]["message"]
+    assert (await client.post("/v1/completions", data=b"{nope")).status == 400
+    assert (await client.post("/v1/completions", json={"prompt": 5})).status == 400
+    assert (await client.post("/v1/chat/completions", json={"messages": []})).status == 400
+
+
+async def test_a_client_that_disconnects_is_aborted_in_the_engine(client: Client) -> None:
+    body = {"prompt": LONG, "max_tokens": 3000, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(client.make_url("/v1/completions"), json=body)
+        await response.content.readline()
+        assert await metric(client, "vllm:num_requests_running") == 1
+        response.close()
+    deadline = time.monotonic() + 10
+    while await metric(client, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the engine kept running a request nobody reads"
+        await asyncio.sleep(0.05)
+    assert await metric(client, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_cli_serves_replicas_and_writes_a_fleet_file(tmp_path: Path) -> None:
+    base = free_port()
+    fleet_file = tmp_path / "replicas.yaml"
+    command = [
+        sys.executable, "-m", "kvrouter.cli", "sim", "--replicas", "2", "--profile", "cpu-tiny",
+        "--base-port", str(base), "--kv-base-port", str(free_port()), "--write-replicas", str(fleet_file),
+        "--time-scale", "10", "--num-gpu-blocks", "512", "--tokenizer", str(ensure_tokenizer()),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not fleet_file.exists():
+            assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        fleet = load_fleet(fleet_file)
+        assert [r.name for r in fleet.replicas] == ["sim-0", "sim-1"]
+        assert fleet.block_size == 32 and fleet.tokenizer == str(ensure_tokenizer().resolve())
+        events = fleet.replicas[1].kv_events
+        assert events is not None and events.bind is False and events.endpoint.startswith("tcp://127.0.0.1:")
+        async with aiohttp.ClientSession() as session:
+            for replica in fleet.replicas:
+                url = f"{replica.base_url}/v1/completions"
+                async with session.post(url, json={"prompt": "hi there", "max_tokens": 2}) as response:
+                    assert (await response.json())["usage"]["completion_tokens"] == 2
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
