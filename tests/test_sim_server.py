@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -175,11 +174,13 @@ async def test_cli_serves_replicas_and_writes_a_fleet_file(tmp_path: Path) -> No
         "--base-port", str(base), "--kv-base-port", str(free_port()), "--write-replicas", str(fleet_file),
         "--time-scale", "10", "--num-gpu-blocks", "512", "--tokenizer", str(ensure_tokenizer()),
     ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 60
         while not fleet_file.exists():
-            assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
+            assert process.returncode is None, "kvrouter sim exited early"
             assert time.monotonic() < deadline
             await asyncio.sleep(0.2)
         fleet = load_fleet(fleet_file)
@@ -194,4 +195,4 @@ async def test_cli_serves_replicas_and_writes_a_fleet_file(tmp_path: Path) -> No
                     assert (await response.json())["usage"]["completion_tokens"] == 2
     finally:
         process.terminate()
-        process.wait(timeout=10)
+        await asyncio.wait_for(process.wait(), 10)
