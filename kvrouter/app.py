@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -25,16 +26,20 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvrouter.config import FleetConfig, Settings
+from kvrouter.config import ConfigError, FleetConfig, Settings
+from kvrouter.events.embedded import EmbeddedEvents
 from kvrouter.fleet_control import install_admin
+from kvrouter.index import PrefixIndex
 from kvrouter.load import LoadBook
 from kvrouter.metrics import RouterMetrics
 from kvrouter.policies import build_policy
 from kvrouter.proxy import Proxy
 from kvrouter.replicas import ReplicaSet
 from kvrouter.routing import PrefixLookup, PromptTokenizer, Router
+from kvrouter.tokenization import HfPromptTokenizer
 
 CleanupContext = Callable[[web.Application], AsyncIterator[None]]
+log = logging.getLogger(__name__)
 
 SETTINGS = web.AppKey("settings", Settings)
 FLEET = web.AppKey("fleet", FleetConfig)
@@ -53,13 +58,36 @@ class PrefixParts:
     index: PrefixLookup | None = None
     tokenizer: PromptTokenizer | None = None
     contexts: list[CleanupContext] = field(default_factory=list)
+    events: object | None = None
+    """Follows replicas' KV events (`fleet_control.EventFollower`), so a reload can add or drop replicas."""
 
 
 def build_prefix_parts(
     settings: Settings, fleet: FleetConfig, metrics: RouterMetrics, clock: Callable[[], float]
 ) -> PrefixParts:
-    """The prefix index, tokenizer and KV-event ingest for this fleet; none yet, so routing uses load only."""
-    return PrefixParts()
+    """The prefix index, the fleet's tokenizer and the embedded ZMQ ingest of every replica's KV events."""
+    index = PrefixIndex(provisional_ttl_s=settings.provisional_ttl_s)
+    parts = PrefixParts(index=index)
+    if fleet.tokenizer is None:
+        log.warning("replicas.yaml names no tokenizer: requests are routed on load only, without prefix matching")
+        metrics.events.load_only.set(1)
+    else:
+        try:
+            tokenizer = HfPromptTokenizer(fleet.tokenizer, threads=settings.tokenizer_threads)
+        except ValueError as error:
+            raise ConfigError(f"tokenizer: {error}") from None
+        parts.tokenizer = tokenizer
+
+        async def close_tokenizer(app: web.Application) -> AsyncIterator[None]:
+            yield
+            tokenizer.close()
+
+        parts.contexts.append(close_tokenizer)
+    if settings.redis_url is None:
+        events = EmbeddedEvents(fleet, index, metrics.events, clock=clock)
+        parts.events = events
+        parts.contexts.append(events.context)
+    return parts
 
 
 def create_app(
@@ -103,6 +131,7 @@ def create_app(
         metrics=metrics,
         registry=metrics.registry,
         index=prefix.index,
+        events=prefix.events,
     )
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_replica_watch)

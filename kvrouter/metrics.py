@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvrouter.events.metrics import EventMetrics
+
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -145,6 +147,7 @@ class RouterMetrics:
             ["replica"],
             registry=registry,
         )
+        self.events = EventMetrics(registry)
         self._timers: dict[tuple[str, str], RouteTimers] = {}
 
     def timers(self, replica: str, route: str) -> RouteTimers:
