@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import statistics
 import time
 from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from kvrouter.app import LOAD
+from kvrouter.app import LOAD, SESSION
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import ReplicaFactory, RouterFactory
 
@@ -282,3 +283,20 @@ async def test_predicted_and_actual_cached_tokens_are_recorded(
     # Both requests were off by +32 tokens (no index yet: predicted 0).
     assert await metric_value(client, "kvrouter_cached_tokens_error_bucket", replica="r0", le="16.0") == 0
     assert await metric_value(client, "kvrouter_cached_tokens_error_bucket", replica="r0", le="64.0") == 2
+
+
+def _nodelay(transport: Any) -> bool:
+    sock = transport.get_extra_info("socket")
+    return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+
+async def test_tcp_nodelay_on_both_hops(fake_replicas: ReplicaFactory, make_router: RouterFactory) -> None:
+    replicas = await fake_replicas(1)
+    client = await make_router(replicas)
+    await (await client.post("/v1/chat/completions", json=CHAT)).read()
+    assert client.server.runner is not None and client.server.runner.server is not None
+    accepted = client.server.runner.server.connections
+    assert accepted and all(_nodelay(handler.transport) for handler in accepted)
+    # The pooled upstream connection, idle after the request (aiohttp keeps no public view of its pool).
+    pooled = [proto for conns in client.app[SESSION].connector._conns.values() for proto, _ in conns]  # type: ignore[union-attr]
+    assert pooled and all(_nodelay(proto.transport) for proto in pooled)
