@@ -82,9 +82,10 @@ def load_configuration(args: argparse.Namespace) -> tuple[Settings, FleetConfig]
     return settings, load_fleet(settings.replicas)
 
 
-async def serve(settings: Settings, fleet: FleetConfig, *, ready: Callable[[int], None] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; `ready` gets the bound port (useful with port 0)."""
-    app = create_app(settings, fleet)
+async def serve(
+    app: web.Application, settings: Settings, fleet: FleetConfig, *, ready: Callable[[int], None] | None = None
+) -> int:
+    """Serve `app` until SIGTERM/SIGINT; `ready` gets the bound port (useful with port 0)."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=settings.shutdown_grace_s, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=2048)
@@ -136,13 +137,15 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def run(args: argparse.Namespace) -> int:
     try:
         settings, fleet = load_configuration(args)
-        # Built once here so a policy problem is a configuration error, before anything listens.
-        create_app(settings, fleet)
+        logging.basicConfig(
+            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        # Built before the loop starts so a policy or tokenizer problem is a configuration error (exit 2).
+        app = create_app(settings, fleet)
     except ConfigError as error:
         print(f"kvrouter: {one_line(str(error))}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.workers > 1:
         log.warning("--workers %d requested; this build serves from one process", settings.workers)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(serve(settings, fleet))
+        return runner.run(serve(app, settings, fleet))
