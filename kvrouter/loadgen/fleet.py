@@ -154,10 +154,11 @@ def start_sim(
     tokenizer: Path | None = None,
     extra: Sequence[str] = (),
 ) -> SimFleet:
-    base_port = free_port_range(4 * replicas + 4)
+    base_port = free_port_range(3 * replicas + 2)  # HTTP ports, then a PUB and a replay port per replica
     argv = kvrouter_argv(
         "sim", "--replicas", str(replicas), "--profile", profile, "--base-port", str(base_port),
-        "--write-replicas", str(replicas_file), "--time-scale", str(time_scale),
+        "--kv-base-port", str(base_port + replicas + 1), "--write-replicas", str(replicas_file),
+        "--time-scale", str(time_scale), "--log-level", "warning",
     )  # fmt: skip
     if tokenizer is not None:
         argv += ["--tokenizer", str(tokenizer)]
