@@ -102,16 +102,19 @@ class PrefixIndex:
         source = self._source(replica, dp_rank)
         bit = source.bit
         table = self._tiers[tier]
-        get = table.get
         budget = self.max_blocks
-        for key in keys:
-            mask = get(key)
-            if mask is None:
-                table[key] = bit
-            else:
-                if budget is not None:
-                    del table[key]  # re-insert at the end: dict order is the recency order
-                table[key] = mask | bit
+        if budget is None and table.keys().isdisjoint(keys):
+            table.update(zip(keys, itertools.repeat(bit)))  # all new: one C-level update
+        else:
+            get = table.get
+            for key in keys:
+                mask = get(key)
+                if mask is None:
+                    table[key] = bit
+                else:
+                    if budget is not None:
+                        del table[key]  # re-insert at the end: dict order is the recency order
+                    table[key] = mask | bit
         source.blocks.update(zip(engine_hashes, keys, strict=True))
         if budget is not None:
             self._enforce_budget(budget)
@@ -290,8 +293,17 @@ class PrefixIndex:
             for table in rest:
                 masks = list(map(operator.or_, masks, map(table.get, chunk, zeros)))
             if start == 0:
+                alive = masks[0]
+            if masks.count(alive) == len(masks):
+                # The common case — every source still in holds the whole chunk, none comes back — costs one
+                # C-level scan instead of an accumulate.
+                start += size
+                size *= 4
+                if not alive:
+                    return lengths
+                continue
+            if start == 0:
                 accumulated = list(itertools.accumulate(masks, operator.and_))
-                alive = accumulated[0]
             else:
                 accumulated = list(itertools.accumulate(masks, operator.and_, initial=alive))[1:]
             # `accumulated` only ever loses bits, so as numbers it never increases: bisect on its negation to

@@ -144,10 +144,17 @@ def _fold(value: WireHash) -> EngineBlockHash:
     return EngineBlockHash(value & _HASH_MASK)
 
 
+def _fold_all(values: list[WireHash]) -> list[EngineBlockHash]:
+    # vLLM's usual form (non-negative ints) passes through without a per-hash Python step.
+    if values and set(map(type, values)) == {int} and min(values) >= 0:  # type: ignore[operator]
+        return values  # type: ignore[return-value]
+    return [_fold(h) for h in values]
+
+
 def _normalise(event: _WireEvent) -> KvEvent:
     if isinstance(event, _MapStored | _ArrayStored):
         return BlockStored(
-            engine_hashes=[_fold(h) for h in event.block_hashes],
+            engine_hashes=_fold_all(event.block_hashes),
             parent=None if event.parent_block_hash is None else _fold(event.parent_block_hash),
             token_ids=event.token_ids,
             block_size=event.block_size,
@@ -159,7 +166,7 @@ def _normalise(event: _WireEvent) -> KvEvent:
             spec_kind=event.kv_cache_spec_kind,
         )
     if isinstance(event, _MapRemoved | _ArrayRemoved):
-        return BlockRemoved([_fold(h) for h in event.block_hashes], Tier.from_medium(event.medium), event.group_idx)
+        return BlockRemoved(_fold_all(event.block_hashes), Tier.from_medium(event.medium), event.group_idx)
     return AllBlocksCleared()
 
 
