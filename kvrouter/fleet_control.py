@@ -4,7 +4,8 @@
 forgets a removed replica's load and index entries and stale metric series, flips drain flags, and asks the
 KV-event source (when it can follow replicas one by one: `EventFollower`) to start or stop following a replica.
 An event source that cannot leaves new replicas routed on load alone until the next restart; that is logged.
-`install_admin` is the one call the app factory makes.
+`install_admin` is the one call the app factory makes; an event source with `is_ready()` (the Redis follower,
+which must catch up before the index is complete) becomes the "events" readiness check behind GET /ready.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ class IndexControl(Protocol):
     def remove_replica(self, replica: ReplicaName) -> None: ...
 
     def blocks_of(self, replica: ReplicaName) -> int: ...
+
+
+@runtime_checkable
+class ReadinessSource(Protocol):
+    """An event source that needs time before the index is complete (Redis catch-up); `is_ready` says when."""
+
+    def is_ready(self) -> bool: ...
 
 
 @runtime_checkable
@@ -132,4 +140,7 @@ def install_admin(
     admin = FleetAdmin(fleet=fleet, fleet_path=fleet_path, hooks=hooks, metrics=AdminMetrics(registry))
     readiness = setup_admin(app, admin, token=admin_token, reload_on_sighup=reload_on_sighup)
     readiness.add("fleet", lambda: bool(admin.fleet.replicas) or "no replicas configured")
+    if isinstance(events, ReadinessSource):
+        source = events
+        readiness.add("events", lambda: source.is_ready() or "the prefix index is still loading from the event source")
     return admin, readiness

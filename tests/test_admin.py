@@ -351,3 +351,36 @@ def test_plan_reload_refuses_fleet_wide_changes(change: dict[str, Any]) -> None:
     a = {"name": "a", "url": "http://10.0.0.1:8000"}
     with pytest.raises(ReloadRefused, match=next(iter(change))):
         plan_reload(fleet_of(a), fleet_of(a, **change))
+
+
+async def test_an_event_source_that_is_catching_up_holds_readiness(aiohttp_client: Any) -> None:
+    from aiohttp import web
+
+    from kvrouter.fleet_control import install_admin
+    from kvrouter.load import LoadBook
+    from kvrouter.metrics import RouterMetrics
+    from kvrouter.replicas import ReplicaSet
+
+    class CatchingUp:
+        loaded = False
+
+        def is_ready(self) -> bool:
+            return self.loaded
+
+    registry = CollectorRegistry()
+    fleet = fleet_of({"name": "a", "url": "http://127.0.0.1:9"})
+    settings = router_settings()
+    metrics = RouterMetrics(registry)
+    load = LoadBook()
+    app = web.Application()
+    source = CatchingUp()
+    install_admin(
+        app, fleet=fleet, fleet_path=None, admin_token=None, metrics=metrics, registry=registry, load=load,
+        replicas=ReplicaSet(fleet, settings, load, metrics, lambda: 0.0), events=source, reload_on_sighup=False,
+    )
+    client = await aiohttp_client(app)
+    waiting = await client.get("/ready")
+    assert waiting.status == 503
+    assert "loading" in (await waiting.json())["checks"]["events"]
+    source.loaded = True
+    assert (await client.get("/ready")).status == 200
