@@ -3,7 +3,7 @@
 Everything runs locally from the installed package (`pip install 'kvrouter[loadtest]'`): a tokenizer built on
 the spot (`kvrouter.tinymodel`), four simulated 4×B200 replicas of a ~1T-parameter MoE (`kvrouter sim`, no
 GPU, no Redis), a fresh kvrouter per policy in front of fresh replicas, and Locust replaying a multi-tenant
-workload — 120 tenants, each with a ~5,000-token system prompt and tool schemas, short user turns — at a rate
+workload — 100 tenants, each with a ~9,000-token system prompt and tool schemas, short user turns — at a rate
 that keeps round-robin's replicas busy. The tenants' prefixes together are larger than one replica's KV cache:
 round-robin makes every replica hold every tenant and evict them; KV-aware routing gives each tenant a home.
 The demo is `kvrouter bench` with fixed settings; it prints progress, then the comparison table, and leaves
@@ -24,11 +24,11 @@ DEMO_SETTINGS: dict[str, str] = {
     "--workload": "multi-tenant",
     "--replicas": "4",
     "--profile": "b200x4-moe-1t",
-    "--tenants": "120",
-    "--system-tokens": "4000",
-    "--output-tokens": "48",
-    "--rate": "28",
-    "--time-scale": "0.25",
+    "--tenants": "100",
+    "--system-tokens": "8000",
+    "--output-tokens": "16",
+    "--rate": "22",
+    "--time-scale": "0.5",
     "--slo-ttft": "1.0",
     "--users": "256",
     "--drain": "60",
