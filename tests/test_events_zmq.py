@@ -205,6 +205,12 @@ async def test_data_parallel_ranks_are_tracked_apart_and_async_sinks_are_awaited
         assert engines[0].replay_requests == requests[0]
         assert source.tracker.last == {0: n0 - 1, 1: n1 + 1}
         assert {b.dp_rank for b in seen} == {0, 1}
+        # The server restarts: rank 0 speaks first, and both ranks' blocks are dropped at once.
+        seen.clear()
+        await engines[0].publish(0, payload([7], rank=0))
+        await wait_for(lambda: len(seen) >= 3)
+        cleared = [b.dp_rank for b in seen if isinstance(b.events[0], AllBlocksCleared)]
+        assert sorted(cleared) == [0, 1] and seen[-1].seq == 0 and source.tracker.last == {0: 0}
     finally:
         await stop(task)
         for engine in engines:

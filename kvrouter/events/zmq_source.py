@@ -10,7 +10,8 @@ Sequence numbers are tracked per (replica, data-parallel rank), because every DP
   engine's replay socket (DEALER sends `[b"", seq]`; replies until seq == -1) and delivered in order first; what
   the engine no longer buffers is counted as lost;
 * a number at or below the last one: the engine restarted, so its cache is empty — an
-  `AllBlocksCleared(restart=True)` for that rank is delivered before the new message.
+  `AllBlocksCleared(restart=True)` for every rank of the replica is delivered before the new message (a vLLM
+  server restarts its DP ranks together).
 
 Nothing stops the task but cancellation: a malformed frame or event is counted by `(replica, type, reason)`
 through `on_problem`, logged at most once per `log_every_s` per reason, and skipped; a socket error closes and
@@ -203,8 +204,12 @@ class ZmqEventSource:
                 "kv events from %s rank %d: seq went from %d to %d; the engine restarted, dropping its blocks",
                 self.replica, rank, self.tracker.last[rank], seq,
             )
-            await self._deliver(EventBatch(self.replica, rank, seq, batch.ts, [AllBlocksCleared(restart=True)]))
-            del self.tracker.last[rank]
+            # A vLLM server restarts all its DP ranks together; a rank that has not spoken yet must not keep
+            # its old blocks meanwhile. Each rank's history starts over.
+            for stale in sorted(self.tracker.last):
+                cleared = EventBatch(self.replica, stale, seq, batch.ts, [AllBlocksCleared(restart=True)])
+                await self._deliver(cleared)
+            self.tracker.last.clear()
             state = "first"
         if state in ("gap", "first") and seq > self.tracker.expected(rank):
             await self._replay(rank, self.tracker.expected(rank), seq)
