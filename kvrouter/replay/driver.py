@@ -70,7 +70,6 @@ class ReplayResult:
     records: list[RequestRecord]
     replicas: list[str]
     passes: int = 0
-    unknown_removals: int = 0
     end_time: float = 0.0
 
 
@@ -234,28 +233,32 @@ class Replay:
 
     def _apply_events(self, replica: ReplicaName, events: Sequence[KvEvent]) -> None:
         """Events in order, consecutive stores batched into one index call."""
-        key_of = self.catalog.key_of
+        key_of = self.catalog.keys_by_hash.get
+        index = self.index
         hashes: list[EngineBlockHash] = []
         keys: list[BlockKey] = []
         for event in events:
             if isinstance(event, RemovedBlocks):
                 if hashes:
-                    self.index.store_keys(replica, hashes, keys)
+                    index.store_keys(replica, hashes, keys)
                     hashes, keys = [], []
-                self._result.unknown_removals += self.index.remove_blocks(
-                    replica, [EngineBlockHash(h) for h in event.block_hashes if key_of(h) is not None]
-                )
+                # Output blocks were never stored (their tokens are not in the trace): the index skips them.
+                index.remove_blocks(replica, cast(tuple[EngineBlockHash, ...], event.block_hashes))
             elif isinstance(event, CacheCleared):
                 hashes, keys = [], []
-                self.index.clear(replica)
+                index.clear(replica)
             else:
-                for block_hash in event.block_hashes:
-                    key = key_of(block_hash)
-                    if key is not None:  # output blocks: their tokens are not in the trace
-                        hashes.append(EngineBlockHash(block_hash))
-                        keys.append(key)
+                found = list(map(key_of, event.block_hashes))
+                if None not in found:
+                    hashes.extend(cast(tuple[EngineBlockHash, ...], event.block_hashes))
+                    keys.extend(cast(list[BlockKey], found))
+                else:
+                    for block_hash, key in zip(event.block_hashes, found, strict=True):
+                        if key is not None:
+                            hashes.append(EngineBlockHash(block_hash))
+                            keys.append(key)
         if hashes:
-            self.index.store_keys(replica, hashes, keys)
+            index.store_keys(replica, hashes, keys)
 
     def _scrape(self) -> None:
         for engine in self.engines:

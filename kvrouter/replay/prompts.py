@@ -74,13 +74,10 @@ class PromptCatalog:
         self.hash_seed = hash_seed
         self.token_seed = token_seed
         self._cache: dict[int, BlockKey] = {}
-        self._key_of_hash: dict[EngineBlockHash, BlockKey] = {}
+        self.keys_by_hash: dict[int, BlockKey] = {}
+        """Engine hash -> key of every prompt block prepared so far."""
         self._unique = 0
         self._ramp = np.arange(max(trace_block_tokens, 4096), dtype=np.uint64)
-
-    def key_of(self, engine_hash: int) -> BlockKey | None:
-        """The key of a block the replay's engines can store (None for output blocks: their tokens are unknown)."""
-        return self._key_of_hash.get(EngineBlockHash(engine_hash))
 
     def _sequence(self, seed: int, count: int) -> array[int]:
         # A multiplicative sequence (numpy, wrapping uint64): cheap, deterministic, distinct per seed.
@@ -142,5 +139,5 @@ class PromptCatalog:
                 self._unique += 1
                 labels.append(_UNIQUE_BASE + self._unique)
         for label, new_key in zip(labels[done:], keys[done:], strict=True):
-            self._key_of_hash[EngineBlockHash(label)] = cast(BlockKey, new_key)
+            self.keys_by_hash[label] = cast(BlockKey, new_key)
         return PreparedPrompt(cast(list[BlockKey], keys), cast(list[EngineBlockHash], labels))

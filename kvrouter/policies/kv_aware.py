@@ -1,0 +1,133 @@
+"""KV-aware routing: send each request where its first token is expected soonest, counting what is cached there.
+
+Algorithm. For every candidate replica the policy estimates this request's time to first token, in seconds:
+
+    queue_tokens = pending prefill tokens already routed there (+ unseen waiting requests, see below)
+    uncached     = prompt tokens - cached tokens there (0 credit when the replica is a hot spot)
+    prefill_s    = (queue_tokens + uncached) / (prefill_tokens_per_s * weight)
+    passes       = max(1, (queue_tokens + uncached) / batch_tokens)
+    decode_s     = passes * (decode_pass_s + decode_s_per_request * decoding requests there)
+    score        = prefill_s + decode_s
+
+and picks the lowest score; exact ties go to the replica with fewer requests in flight (per unit of weight),
+then rotate. The engines run prefills first-come-first-served in passes of at most `batch_tokens` prompt tokens,
+and every pass also carries the replica's decoding requests, so a busy decoder stretches each pass of the
+queue ahead: that is the decode term. Cached tokens follow the engine's rule (whole blocks, at most
+prompt - 1), as the router computed them from the prefix index.
+
+Hot-spot guard, per replica: a replica whose requests in flight exceed `hotspot_ratio` x the fleet's mean
+(per unit of weight) plus `hotspot_slack` loses its cache credit for this request, so a popular prefix cannot pile
+every request onto one replica; other replicas keep their credit and other requests still follow their prefixes.
+
+`select` is pure (it reads only the candidates); `record` only advances the tie-break rotation.
+
+Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets:
+- `kv_prefill_tokens_per_s` [48000]: a replica's prefill throughput, prompt tokens per second.
+- `kv_batch_tokens` [8192]: prompt tokens one engine pass computes (vLLM's max_num_batched_tokens).
+- `kv_decode_pass_s` [0.006]: fixed cost a pass pays when the replica is decoding anything.
+- `kv_decode_s_per_request` [0.0005]: extra pass time per decoding request there.
+- `kv_waiting_request_tokens` [0]: prompt tokens assumed for each request the engine reports waiting beyond the
+  ones this router is prefilling there (other routers' traffic; 0 = trust this router's own accounting).
+- `kv_hotspot_ratio` [2.0] and `kv_hotspot_slack` [8]: the hot-spot load cap described above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvrouter.policies.base import Candidate, CandidateScore, Decision, RouteRequest
+
+
+@dataclass(frozen=True, slots=True)
+class KvAwareConfig:
+    prefill_tokens_per_s: float = 48_000.0
+    batch_tokens: int = 8192
+    decode_pass_s: float = 0.006
+    decode_s_per_request: float = 0.0005
+    waiting_request_tokens: int = 0
+    hotspot_ratio: float = 2.0
+    hotspot_slack: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s <= 0 or self.batch_tokens <= 0:
+            raise ValueError("prefill_tokens_per_s and batch_tokens must be positive")
+        if min(self.decode_pass_s, self.decode_s_per_request, self.waiting_request_tokens) < 0:
+            raise ValueError("decode costs and waiting_request_tokens must not be negative")
+        if self.hotspot_ratio <= 0 or self.hotspot_slack < 0:
+            raise ValueError("hotspot_ratio must be positive and hotspot_slack not negative")
+
+
+class KvAwarePolicy:
+    name = "kv_aware"
+
+    def __init__(self, config: KvAwareConfig | None = None) -> None:
+        self.config = config or KvAwareConfig()
+        self._turn = 0
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> KvAwarePolicy:
+        """Build from `Settings` (its `kv_*` fields; any that are absent keep their defaults)."""
+        defaults = KvAwareConfig()
+        values = {
+            name: getattr(settings, f"kv_{name}", getattr(defaults, name))
+            for name in KvAwareConfig.__dataclass_fields__
+        }
+        return cls(KvAwareConfig(**values))
+
+    def _cap(self, candidates: Sequence[Candidate]) -> float:
+        mean = sum(c.load.in_flight / c.weight for c in candidates) / len(candidates)
+        return self.config.hotspot_ratio * mean + self.config.hotspot_slack
+
+    def score(self, request: RouteRequest, candidate: Candidate, cap: float) -> CandidateScore:
+        config = self.config
+        load = candidate.load
+        prompt = request.prompt_tokens or 0
+        relative_load = load.in_flight / candidate.weight
+        hot = relative_load > cap
+        credit = 0 if hot else min(candidate.cached_tokens, prompt)
+        uncached = prompt - credit
+        queue = load.pending_prefill_tokens
+        if config.waiting_request_tokens and load.engine_waiting is not None:
+            prefilling_here = load.in_flight - load.decode_requests
+            queue += max(0, load.engine_waiting - prefilling_here) * config.waiting_request_tokens
+        work = queue + uncached
+        prefill_s = work / (config.prefill_tokens_per_s * candidate.weight)
+        passes = max(1.0, work / config.batch_tokens)
+        busy = load.decode_requests > 0
+        pass_s = config.decode_pass_s + config.decode_s_per_request * load.decode_requests if busy else 0.0
+        decode_s = passes * pass_s
+        score = prefill_s + decode_s
+        breakdown = {
+            "cached_tokens": float(candidate.cached_tokens),
+            "cache_credit_tokens": float(credit),
+            "uncached_tokens": float(uncached),
+            "queued_prefill_tokens": float(queue),
+            "prefill_s": prefill_s,
+            "passes": passes,
+            "decode_pass_s": pass_s,
+            "decode_s": decode_s,
+            "in_flight": float(load.in_flight),
+            "decode_requests": float(load.decode_requests),
+            "load_cap": cap,
+            "hot_spot": 1.0 if hot else 0.0,
+            "weight": candidate.weight,
+        }
+        return CandidateScore(candidate.replica, candidate.cached_tokens, score, breakdown)
+
+    def select(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        assert candidates, "select needs at least one candidate"
+        cap = self._cap(candidates)
+        count = len(candidates)
+        scores = []
+        ranked = []
+        for position, candidate in enumerate(candidates):
+            scored = self.score(request, candidate, cap)
+            scores.append(scored)
+            relative_load = candidate.load.in_flight / candidate.weight
+            ranked.append((scored.score, relative_load, (position - self._turn) % count, candidate.replica))
+        return Decision(min(ranked)[3], tuple(scores))
+
+    def record(self, decision: Decision) -> None:
+        self._turn += 1

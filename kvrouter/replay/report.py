@@ -1,0 +1,182 @@
+"""A replay's results: the bench report's fields per policy, a table, per-request CSVs and a TTFT CDF plot.
+
+Fields follow `kvrouter.loadgen.report` (times in seconds, nearest-rank percentiles): ttft_p50/p90/p99,
+e2e_p50/p99, requests_per_s and output_tokens_per_s over the span from the first arrival to the last finish,
+hit_rate = prompt tokens the engines served from cache ÷ prompt tokens, and per replica its share of requests.
+Replay adds `predicted_hit_rate` (what the router believed was cached where it sent each request), preemptions,
+and the floor: each request's TTFT alone on an idle engine with the best cache any earlier request could have
+left (`floor_ttft_p50`/`p99`), the bound no routing can beat.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvrouter.loadgen.report import percentile
+from kvrouter.replay.driver import ReplayResult
+
+CSV_FIELDS = (
+    "trace_index",
+    "replica",
+    "arrival_s",
+    "prompt_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "predicted_cached_tokens",
+    "ttft_ms",
+    "e2e_ms",
+    "floor_ttft_ms",
+    "preemptions",
+)
+
+
+def summarize(result: ReplayResult, floors: Sequence[float] | None = None) -> dict[str, Any]:
+    records = result.records
+    done = [r for r in records if r.finish is not None and r.first_token is not None]
+    ttft = [r.first_token - r.arrival for r in done if r.first_token is not None]
+    e2e = [r.finish - r.arrival for r in done if r.finish is not None]
+    start = min((r.arrival for r in records), default=0.0)
+    end = max((r.finish for r in done if r.finish is not None), default=start)
+    span = end - start
+    prompt = sum(r.prompt_tokens for r in records)
+    counts: dict[str, int] = dict.fromkeys(result.replicas, 0)
+    cached_by: dict[str, int] = dict.fromkeys(result.replicas, 0)
+    prompt_by: dict[str, int] = dict.fromkeys(result.replicas, 0)
+    for record in records:
+        counts[record.replica] += 1
+        cached_by[record.replica] += record.cached_tokens
+        prompt_by[record.replica] += record.prompt_tokens
+    total = len(records)
+    summary: dict[str, Any] = {
+        "policy": result.policy,
+        "scheduled": total,
+        "completed": len(done),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p90": percentile(ttft, 90),
+        "ttft_p99": percentile(ttft, 99),
+        "e2e_p50": percentile(e2e, 50),
+        "e2e_p99": percentile(e2e, 99),
+        "requests_per_s": len(done) / span if span > 0 else None,
+        "output_tokens_per_s": sum(r.output_tokens for r in done) / span if span > 0 else None,
+        "hit_rate": sum(r.cached_tokens for r in records) / prompt if prompt else None,
+        "predicted_hit_rate": sum(r.predicted_cached for r in records) / prompt if prompt else None,
+        "preemptions": sum(r.preemptions for r in records),
+        "engine_passes": result.passes,
+        "replicas": {
+            name: {
+                "share": counts[name] / total if total else None,
+                "requests": counts[name],
+                "hit_rate": cached_by[name] / prompt_by[name] if prompt_by[name] else None,
+            }
+            for name in result.replicas
+        },
+    }
+    if floors is not None:
+        summary["floor_ttft_p50"] = percentile(floors, 50)
+        summary["floor_ttft_p99"] = percentile(floors, 99)
+    return summary
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:,.0f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def table(summaries: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table, one row per policy."""
+    lines = [
+        "| policy | TTFT p50 / p90 / p99 (ms) | e2e p50 / p99 (ms) | req/s | output tok/s | prefix hit "
+        "| predicted hit | replica shares | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        shares = " / ".join(_pct(v["share"]) for v in s["replicas"].values())
+        rps = s["requests_per_s"]
+        tps = s["output_tokens_per_s"]
+        lines.append(
+            f"| {s['policy']} | {_ms(s['ttft_p50'])} / {_ms(s['ttft_p90'])} / {_ms(s['ttft_p99'])} "
+            f"| {_ms(s['e2e_p50'])} / {_ms(s['e2e_p99'])} | {'-' if rps is None else f'{rps:.2f}'} "
+            f"| {'-' if tps is None else f'{tps:,.0f}'} | {_pct(s['hit_rate'])} | {_pct(s['predicted_hit_rate'])} "
+            f"| {shares} | {s['preemptions']} |"
+        )
+    floor = next((s for s in summaries if s.get("floor_ttft_p99") is not None), None)
+    if floor is not None:
+        lines.append("")
+        lines.append(
+            f"Floor (each request alone on an idle engine, best-case cache): TTFT p50 {_ms(floor['floor_ttft_p50'])} "
+            f"ms, p99 {_ms(floor['floor_ttft_p99'])} ms."
+        )
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, result: ReplayResult, floors: Sequence[float] | None = None) -> None:
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_FIELDS)
+        for position, r in enumerate(result.records):
+            ttft = r.ttft
+            e2e = r.e2e
+            writer.writerow(
+                [
+                    r.index,
+                    r.replica,
+                    f"{r.arrival:.6f}",
+                    r.prompt_tokens,
+                    r.output_tokens,
+                    r.cached_tokens,
+                    r.predicted_cached,
+                    "" if ttft is None else f"{ttft * 1000:.3f}",
+                    "" if e2e is None else f"{e2e * 1000:.3f}",
+                    "" if floors is None else f"{floors[position] * 1000:.3f}",
+                    r.preemptions,
+                ]
+            )
+
+
+def plot_ttft_cdf(path: Path, results: Sequence[ReplayResult], floors: Sequence[float] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    curves: list[tuple[str, list[float]]] = [
+        (result.policy, sorted(t * 1000 for r in result.records if (t := r.ttft) is not None)) for result in results
+    ]
+    if floors is not None:
+        curves.append(("floor", sorted(f * 1000 for f in floors)))
+    for label, values in curves:
+        if values:
+            fractions = [(i + 1) / len(values) for i in range(len(values))]
+            axes.plot(values, fractions, label=label, linestyle=":" if label == "floor" else "-")
+    axes.set_xscale("log")
+    axes.set_xlabel("TTFT (ms, log scale)")
+    axes.set_ylabel("fraction of requests")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_outputs(
+    out: Path,
+    results: Sequence[ReplayResult],
+    summaries: Sequence[dict[str, Any]],
+    floors: Sequence[float] | None,
+    meta: dict[str, Any],
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"replay": meta, "rows": {s["policy"]: s for s in summaries}}
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(table(summaries) + "\n", encoding="utf-8")
+    for result in results:
+        write_csv(out / f"requests_{result.policy}.csv", result, floors)
+    plot_ttft_cdf(out / "ttft_cdf.png", results, floors)
