@@ -20,7 +20,7 @@ from kvrouter.events.wire import BlockStored, EventBatch, WireDecoder, decode_se
 from kvrouter.index import PrefixIndex
 from kvrouter.openai_request import parse_request
 from kvrouter.tokenization import HfPromptTokenizer
-from kvrouter.typedefs import ReplicaName
+from kvrouter.typedefs import BlockKey, ReplicaName
 from tests.vllm_captures import CAPTURES, messages, model_dir, needs_captures, requests, run_info
 
 pytestmark = needs_captures
@@ -120,3 +120,37 @@ def test_predicted_cached_tokens_equal_the_engines(run: str, tokenizer: HfPrompt
             ingest.apply(batches.pop(-1))
     assert checked >= 8
     assert {status for (_, _, status) in ingest.counts} == {"ok"}, ingest.counts
+
+
+def test_every_captured_run_ingests_without_a_skipped_event() -> None:
+    """All runs, both DP ranks of s7: every event is understood, and equal prompts give equal keys everywhere."""
+    from tests.vllm_captures import frame_dirs
+
+    index = PrefixIndex()
+    first_keys: dict[str, list[BlockKey]] = {}
+    runs = {folder.parent.name for folder in frame_dirs()}
+    block_sizes = {
+        ReplicaName(run): run_info("multi_server_s3..s6" if run.startswith("multi_server") else run)["block_size"]
+        for run in runs
+    }
+    ingest = IndexIngest(index, block_sizes=block_sizes)
+    decoder = WireDecoder()
+    for folder in frame_dirs():
+        run = ReplicaName(folder.parent.name)
+        for message in messages(folder):
+            parts = split_frames(message.frames)
+            assert parts is not None
+            batch, problems = decoder.decode_payload(run, decode_seq(parts[1]) or 0, parts[2])
+            assert batch is not None and not problems
+            ingest.apply(batch)
+            if message.number == 0 and batch.dp_rank == 0 and isinstance(batch.events[0], BlockStored):
+                event = batch.events[0]
+                first_keys[run] = chain_keys(event.token_ids, event.block_size)
+    assert {status for (_, _, status) in ingest.counts} == {"ok"}, ingest.counts
+    # s3 and s4 were sent the same first prompt; so were s5 and s6 (see index.json).
+    assert first_keys["multi_server_s3"] == first_keys["multi_server_s4"]
+    assert first_keys["multi_server_s5"] == first_keys["multi_server_s6"]
+    # The dp2 run's rank 1 was sent s3's first prompt too: one prefix, found on three replicas (DP rank 1 of one).
+    probe = index.longest_prefixes(first_keys["multi_server_s3"], 0.0)
+    assert {"multi_server_s3", "multi_server_s4", "s7_dp2"} <= set(probe)
+    assert probe[ReplicaName("s7_dp2")].blocks == len(first_keys["multi_server_s3"])
