@@ -10,8 +10,10 @@ against the services and ports that exist.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import fnmatch
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -509,3 +511,38 @@ def test_the_image_builds_the_tokenizer_the_sim_fleet_names(monkeypatch: pytest.
     assert load_fleet(DEPLOY / "replicas-sim.yaml").tokenizer == str(cache_root() / "tiny-tokenizer")
     final = len(dockerfile.stages) - 1
     assert any(cache_dir[1] in i.arguments for i in dockerfile.in_stage(final, "COPY"))
+
+
+# -- the health checks really work against a running router --------------------------------------------------
+
+
+def run_check(argv: list[str], port: int) -> int:
+    import subprocess
+    import sys
+
+    program = [sys.executable if argv[0] in ("python", "python3") else argv[0], *argv[1:]]
+    program = [item.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for item in program]
+    env = {**os.environ, "KVROUTER_PORT": str(port)}
+    return subprocess.run(program, env=env, capture_output=True, timeout=30, check=False).returncode
+
+
+async def test_image_and_compose_health_checks_against_a_live_router(
+    fake_replicas: Any, make_router: Any, unused_tcp_port: int
+) -> None:
+    replicas = await fake_replicas(1)
+    client = await make_router(replicas)
+    port = client.server.port
+    dockerfile = parse_dockerfile(REPO / "Dockerfile")
+    image_check = exec_form(dockerfile.in_stage(len(dockerfile.stages) - 1, "HEALTHCHECK")[-1].arguments)
+    compose_check = load_compose()["services"]["router-1"]["healthcheck"]["test"][1:]
+    assert await asyncio.to_thread(run_check, image_check, port) == 0
+    assert await asyncio.to_thread(run_check, compose_check, port) == 0
+    # No replica left: /health answers 503, the process is still alive for the image check.
+    await replicas[0].stop()
+    for _ in range(5):
+        await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert (await client.get("/health")).status == 503
+    assert await asyncio.to_thread(run_check, image_check, port) == 0
+    # Nothing listening: both checks fail.
+    assert await asyncio.to_thread(run_check, image_check, unused_tcp_port) != 0
+    assert await asyncio.to_thread(run_check, compose_check, unused_tcp_port) != 0
