@@ -3,7 +3,8 @@
 The driver loops: run one engine pass, sleep until the pass would have ended (its duration divided by
 `time_scale`), then deliver what the pass produced — tokens to the waiting HTTP handlers, KV events to the
 publisher, latencies to the metrics. Requests arriving during a pass join the next one, as in vLLM. When the loop
-falls behind (a busy CPU), it does not burst to catch up: lateness only delays. Simulated time is wall time
+falls behind (timer slack, a busy CPU), later passes make up to `catch_up_s` of the lag by sleeping less; beyond
+that, lateness only delays. Simulated time is wall time
 multiplied by `time_scale`; metrics report simulated seconds.
 """
 
@@ -50,6 +51,7 @@ class EngineDriver:
         publisher: KvEventPublisher | None = None,
         metrics: ReplicaMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        catch_up_s: float = 0.05,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
@@ -57,6 +59,7 @@ class EngineDriver:
         self.time_scale = time_scale
         self.publisher = publisher
         self.metrics = metrics
+        self.catch_up_s = catch_up_s
         self._clock = clock
         self._tracked: dict[str, Tracked] = {}
         self._wake = asyncio.Event()
@@ -92,8 +95,10 @@ class EngineDriver:
             if not self.engine.has_work():
                 self._wake.clear()
                 await self._wake.wait()
-            now = self._clock()
-            deadline = max(deadline, now)
+                deadline = self._clock()
+            # Oversleeping (timer slack, a busy machine) is made up on later passes, up to `catch_up_s` of lag:
+            # otherwise every late wake-up would slow simulated time down for good.
+            deadline = max(deadline, self._clock() - self.catch_up_s)
             result = self.engine.step(self.sim_time())
             deadline += result.duration / self.time_scale
             delay = deadline - self._clock()

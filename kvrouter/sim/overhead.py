@@ -1,0 +1,122 @@
+"""How much CPU `kvrouter sim` costs under load: `python -m kvrouter.sim.overhead`.
+
+Starts `kvrouter sim` (N replicas in one process) as a child process, drives it with streaming chat requests from
+this process (closed loop: `--concurrency` clients spread over the replicas, each sending its next request when
+the previous stream ends), and prints completed requests per second, streamed tokens per second and the sim
+process's CPU use (user + system time from /proc over wall time; 100% = one core). Prompts share a long system
+prompt per client group so the prefix cache and the event publisher do real work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _client(
+    session: aiohttp.ClientSession, url: str, group: int, stop: float, max_tokens: int, latencies: list[float]
+) -> tuple[int, int]:
+    system = " ".join(f"Rule {i} for tenant {group}: answer in formal business Japanese." for i in range(40))
+    done = tokens = turn = 0
+    while time.monotonic() < stop:
+        turn += 1
+        body = {
+            "model": "sim",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {turn}"}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+        started = time.monotonic()
+        async with session.post(url, json=body) as response:
+            async for line in response.content:
+                if line.startswith(b"data: {") and b'"content":"' in line:
+                    tokens += 1
+        latencies.append(time.monotonic() - started)
+        done += 1
+    return done, tokens
+
+
+async def _measure(args: argparse.Namespace) -> int:
+    base = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        fleet_file = Path(tmp) / "replicas.yaml"
+        command = [
+            sys.executable, "-m", "kvrouter.cli", "sim", "--replicas", str(args.replicas), "--profile", args.profile,
+            "--base-port", str(base), "--kv-base-port", str(_free_port()), "--write-replicas", str(fleet_file),
+            "--time-scale", str(args.time_scale), "--log-level", "warning",
+        ]  # fmt: skip
+        process = await asyncio.create_subprocess_exec(*command)
+        try:
+            while not fleet_file.exists():
+                if process.returncode is not None:
+                    print("kvrouter sim exited", file=sys.stderr)
+                    return 1
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)
+            urls = [f"http://127.0.0.1:{base + i}/v1/chat/completions" for i in range(args.replicas)]
+            connector = aiohttp.TCPConnector(limit=0)
+            latencies: list[float] = []
+            async with aiohttp.ClientSession(connector=connector) as session:
+                cpu_before, wall_before = _cpu_seconds(process.pid), time.monotonic()
+                own_before = time.process_time()
+                stop = wall_before + args.duration
+                results = await asyncio.gather(
+                    *(
+                        _client(session, urls[i % len(urls)], i % args.groups, stop, args.max_tokens, latencies)
+                        for i in range(args.concurrency)
+                    )
+                )
+                wall = time.monotonic() - wall_before
+                cpu = _cpu_seconds(process.pid) - cpu_before
+                own = time.process_time() - own_before
+        finally:
+            if process.returncode is None:
+                process.terminate()
+            await process.wait()
+    requests = sum(done for done, _ in results)
+    tokens = sum(count for _, count in results)
+    median = statistics.median(latencies) if latencies else float("nan")
+    print(
+        f"{args.replicas} x {args.profile} replicas, time scale {args.time_scale:g}, {args.concurrency} streaming "
+        f"clients, max_tokens {args.max_tokens}, {wall:.1f} s: {requests / wall:.1f} req/s, {tokens / wall:.0f} "
+        f"tokens/s, median request {median * 1000:.0f} ms, sim CPU {100 * cpu / wall:.0f}% of one core "
+        f"({1000 * cpu / max(requests, 1):.2f} ms per request), load client CPU {100 * own / wall:.0f}%"
+    )
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--profile", default="b200x4-moe-1t")
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--groups", type=int, default=8, help="Distinct shared system prompts.")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=20.0)
+    return asyncio.run(_measure(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
