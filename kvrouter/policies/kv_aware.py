@@ -15,11 +15,19 @@ and every pass also carries the replica's decoding requests, so a busy decoder s
 queue ahead: that is the decode term. Cached tokens follow the engine's rule (whole blocks, at most
 prompt - 1), as the router computed them from the prefix index.
 
+Prefill progress. The load book counts a request's prefill tokens as pending until its first token, so a replica
+half-way through a 100k-token prompt would look as busy as one about to start it. The policy therefore keeps,
+per replica, the requests it sent there in order and watches the pending count fall at each decision (the
+engines prefill first-come-first-served): the oldest request still pending is the one in progress, and the part
+of it computed since it started — elapsed time x the replica's effective prefill rate, never all of it — is
+taken off the queue. Without such history (another router's traffic, a restart) the queue counts in full.
+
 Hot-spot guard, per replica: a replica whose requests in flight exceed `hotspot_ratio` x the fleet's mean
 (per unit of weight) plus `hotspot_slack` loses its cache credit for this request, so a popular prefix cannot pile
 every request onto one replica; other replicas keep their credit and other requests still follow their prefixes.
 
-`select` is pure (it reads only the candidates); `record` only advances the tie-break rotation.
+`select` is pure (it reads the candidates, the clock and the policy's history); `record` advances the tie-break
+rotation and the per-replica history. The clock is a parameter (the router's: monotonic live, virtual in replay).
 
 Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets:
 - `kv_prefill_tokens_per_s` [48000]: a replica's prefill throughput, prompt tokens per second.
@@ -33,11 +41,14 @@ Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvrouter.policies.base import Candidate, CandidateScore, Decision, RouteRequest
+from kvrouter.typedefs import ReplicaName
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,28 +70,66 @@ class KvAwareConfig:
             raise ValueError("hotspot_ratio must be positive and hotspot_slack not negative")
 
 
+@dataclass(slots=True)
+class _Lane:
+    """What this policy sent to one replica and has not yet seen reach its first token, oldest first."""
+
+    sent: deque[tuple[float, int]] = field(default_factory=deque)
+    """(time sent, prefill tokens) per request."""
+    total: int = 0
+    head_since: float = 0.0
+    """Earliest time the oldest pending request can have started its prefill."""
+    observed: float = 0.0
+
+    def observe(self, pending: int, now: float) -> None:
+        """The load book says `pending` tokens are left: requests at the front beyond that are done."""
+        sent = self.sent
+        popped = False
+        while sent and self.total - sent[0][1] >= pending:
+            self.total -= sent.popleft()[1]
+            popped = True
+        if popped:
+            # The next one started when its predecessor finished: between the last look and now.
+            self.head_since = (self.observed + now) / 2
+        self.observed = now
+
+    def in_progress(self, pending: int, now: float, rate: float) -> float:
+        """Tokens of the oldest request still pending computed by now (an estimate; read-only)."""
+        total = self.total
+        head_since = self.head_since
+        for sent_at, tokens in self.sent:
+            if total - tokens < pending:
+                started = max(sent_at, head_since)
+                return min(max(0.0, now - started) * rate, tokens * 0.95)
+            total -= tokens
+            head_since = (self.observed + now) / 2
+        return 0.0
+
+
 class KvAwarePolicy:
     name = "kv_aware"
 
-    def __init__(self, config: KvAwareConfig | None = None) -> None:
+    def __init__(self, config: KvAwareConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or KvAwareConfig()
+        self.clock = clock
         self._turn = 0
+        self._lanes: dict[ReplicaName, _Lane] = {}
 
     @classmethod
-    def from_settings(cls, settings: Any) -> KvAwarePolicy:
+    def from_settings(cls, settings: Any, *, clock: Callable[[], float] = time.monotonic) -> KvAwarePolicy:
         """Build from `Settings` (its `kv_*` fields; any that are absent keep their defaults)."""
         defaults = KvAwareConfig()
         values = {
             name: getattr(settings, f"kv_{name}", getattr(defaults, name))
             for name in KvAwareConfig.__dataclass_fields__
         }
-        return cls(KvAwareConfig(**values))
+        return cls(KvAwareConfig(**values), clock=clock)
 
     def _cap(self, candidates: Sequence[Candidate]) -> float:
         mean = sum(c.load.in_flight / c.weight for c in candidates) / len(candidates)
         return self.config.hotspot_ratio * mean + self.config.hotspot_slack
 
-    def score(self, request: RouteRequest, candidate: Candidate, cap: float) -> CandidateScore:
+    def score(self, request: RouteRequest, candidate: Candidate, cap: float, now: float) -> CandidateScore:
         config = self.config
         load = candidate.load
         prompt = request.prompt_tokens or 0
@@ -88,21 +137,31 @@ class KvAwarePolicy:
         hot = relative_load > cap
         credit = 0 if hot else min(candidate.cached_tokens, prompt)
         uncached = prompt - credit
-        queue = load.pending_prefill_tokens
+        busy = load.decode_requests > 0
+        pass_s = config.decode_pass_s + config.decode_s_per_request * load.decode_requests if busy else 0.0
+        lane = self._lanes.get(candidate.replica)
+        done = 0.0
+        if lane is not None and load.pending_prefill_tokens > 0:
+            rate = config.batch_tokens / (config.batch_tokens / config.prefill_tokens_per_s + pass_s)
+            done = min(
+                lane.in_progress(load.pending_prefill_tokens, now, rate * candidate.weight),
+                float(load.pending_prefill_tokens),
+            )
+        queue = load.pending_prefill_tokens - done
         if config.waiting_request_tokens and load.engine_waiting is not None:
             prefilling_here = load.in_flight - load.decode_requests
             queue += max(0, load.engine_waiting - prefilling_here) * config.waiting_request_tokens
         work = queue + uncached
         prefill_s = work / (config.prefill_tokens_per_s * candidate.weight)
         passes = max(1.0, work / config.batch_tokens)
-        busy = load.decode_requests > 0
-        pass_s = config.decode_pass_s + config.decode_s_per_request * load.decode_requests if busy else 0.0
         decode_s = passes * pass_s
         score = prefill_s + decode_s
         breakdown = {
             "cached_tokens": float(candidate.cached_tokens),
             "cache_credit_tokens": float(credit),
             "uncached_tokens": float(uncached),
+            "pending_prefill_tokens": float(load.pending_prefill_tokens),
+            "prefill_in_progress_tokens": done,
             "queued_prefill_tokens": float(queue),
             "prefill_s": prefill_s,
             "passes": passes,
@@ -113,17 +172,19 @@ class KvAwarePolicy:
             "load_cap": cap,
             "hot_spot": 1.0 if hot else 0.0,
             "weight": candidate.weight,
+            "prompt_tokens": float(prompt),
         }
         return CandidateScore(candidate.replica, candidate.cached_tokens, score, breakdown)
 
     def select(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         assert candidates, "select needs at least one candidate"
         cap = self._cap(candidates)
+        now = self.clock()
         count = len(candidates)
         scores = []
         ranked = []
         for position, candidate in enumerate(candidates):
-            scored = self.score(request, candidate, cap)
+            scored = self.score(request, candidate, cap, now)
             scores.append(scored)
             relative_load = candidate.load.in_flight / candidate.weight
             ranked.append((scored.score, relative_load, (position - self._turn) % count, candidate.replica))
@@ -131,3 +192,15 @@ class KvAwarePolicy:
 
     def record(self, decision: Decision) -> None:
         self._turn += 1
+        now = self.clock()
+        for scored in decision.candidates:
+            lane = self._lanes.get(scored.replica)
+            if lane is None:
+                lane = self._lanes[scored.replica] = _Lane(head_since=now, observed=now)
+            lane.observe(int(scored.breakdown.get("pending_prefill_tokens", 0.0)), now)
+            if scored.replica == decision.chosen:
+                # What the load book counts for it: the prompt minus what is cached there.
+                tokens = int(scored.breakdown.get("prompt_tokens", 0.0)) - scored.cached_tokens
+                if tokens > 0:
+                    lane.sent.append((now, tokens))
+                    lane.total += tokens

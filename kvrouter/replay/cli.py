@@ -18,7 +18,15 @@ from typing import Any
 
 from kvrouter.config import POLICY_NAMES, ConfigError, Settings
 from kvrouter.policies import build_policy
-from kvrouter.replay.driver import EngineFactory, ReplayOptions, ReplayResult, floor_ttfts, replay_policy
+from kvrouter.policies.base import Policy
+from kvrouter.replay.driver import (
+    EngineFactory,
+    ReplayOptions,
+    ReplayResult,
+    VirtualClock,
+    floor_ttfts,
+    replay_policy,
+)
 from kvrouter.replay.prompts import PromptCatalog
 from kvrouter.replay.report import summarize, table, write_outputs
 from kvrouter.replay.trace import TraceError, load_trace
@@ -53,6 +61,15 @@ def _settings(overrides: list[str]) -> Settings:
             raise ConfigError(f"--set: expected NAME=VALUE with a known setting, got {item!r}")
         values[name] = value
     return Settings.model_validate(values)
+
+
+def replay_policy_object(name: str, settings: Settings, clock: VirtualClock) -> Policy:
+    """The policy as `build_policy` makes it, on the replay's clock where it reads one."""
+    if name == "kv_aware":
+        from kvrouter.policies.kv_aware import KvAwarePolicy
+
+        return KvAwarePolicy.from_settings(settings, clock=clock)
+    return build_policy(name, settings)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,14 +109,16 @@ def run(args: argparse.Namespace) -> int:
     timings: dict[str, float] = {}
     for name in policies:
         began = time.perf_counter()
+        clock = VirtualClock()
         results.append(
             replay_policy(
                 requests=trace.requests,
                 prompts=prompts,
                 catalog=catalog,
-                policy=build_policy(name, settings),
+                policy=replay_policy_object(name, settings, clock),
                 engine_factory=engine_factory,
                 options=options,
+                clock=clock,
             )
         )
         timings[name] = time.perf_counter() - began

@@ -86,8 +86,18 @@ def replica_names(count: int) -> list[ReplicaName]:
     return [ReplicaName(f"engine-{number}") for number in range(count)]
 
 
+class VirtualClock:
+    """The replay's time, read by the router and by any policy built with it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Replay:
-    """One policy over one trace; `run()` once."""
+    """One policy over one trace; `run()` once. A policy that reads a clock must be built with `clock`."""
 
     def __init__(
         self,
@@ -98,16 +108,17 @@ class Replay:
         policy: Policy,
         engine_factory: EngineFactory,
         options: ReplayOptions | None = None,
+        clock: VirtualClock | None = None,
     ) -> None:
         self.options = options or ReplayOptions()
         self.requests = requests
         self.prompts = prompts
         self.catalog = catalog
-        self.now = 0.0
+        self.clock = clock or VirtualClock()
         self.index = PrefixIndex(provisional_ttl_s=self.options.provisional_ttl_s)
         self.load = LoadBook()
         self.router = Router(
-            policy=policy, load=self.load, index=self.index, hash_seed=self.options.hash_seed, clock=self._clock
+            policy=policy, load=self.load, index=self.index, hash_seed=self.options.hash_seed, clock=self.clock
         )
         self.engines = [_Engine(name, engine_factory()) for name in replica_names(self.options.replicas)]
         block_size = self.engines[0].model.block_size
@@ -122,8 +133,9 @@ class Replay:
         self._unfinished = 0
         self._result = ReplayResult(policy.name, [], [str(engine.name) for engine in self.engines])
 
-    def _clock(self) -> float:
-        return self.now
+    @property
+    def now(self) -> float:
+        return self.clock.now
 
     def _push(self, time: float, kind: int, payload: object) -> None:
         self._sequence += 1
@@ -138,7 +150,7 @@ class Replay:
         heap = self._heap
         while heap:
             time, kind, _, payload = heapq.heappop(heap)
-            self.now = time
+            self.clock.now = time
             if kind == _PASS_END:
                 self._pass_end(cast(tuple[_Engine, StepResult], payload))
             elif kind == _PASS_START:
@@ -263,9 +275,7 @@ class Replay:
     def _scrape(self) -> None:
         for engine in self.engines:
             gauges = engine.model.gauges()
-            self.load.observe_engine(
-                engine.name, EngineGauges(gauges.num_waiting, gauges.num_running, gauges.kv_usage)
-            )
+            self.load.observe_engine(engine.name, EngineGauges(gauges.num_waiting, gauges.num_running, gauges.kv_usage))
         if self._unfinished > 0:
             self._push(self.now + self.options.scrape_interval_s, _SCRAPE, None)
 
@@ -278,6 +288,7 @@ def replay_policy(
     policy: Policy,
     engine_factory: EngineFactory,
     options: ReplayOptions | None = None,
+    clock: VirtualClock | None = None,
 ) -> ReplayResult:
     return Replay(
         requests=requests,
@@ -286,6 +297,7 @@ def replay_policy(
         policy=policy,
         engine_factory=engine_factory,
         options=options,
+        clock=clock,
     ).run()
 
 
