@@ -265,8 +265,13 @@ def fit_profile(report: dict[str, Any], budget: int = 2048, per_seq: bool = Fals
     for row in decode_rows:
         running = row["running"]
         context = row["prompt_tokens"] + row["output_tokens"] / 2
-        rows.append(([1.0, running, running * context, 0.0, running], row["server_step_ms"] / 1000,
-                     f"decode {running}x{row['prompt_tokens']}"))
+        rows.append(
+            (
+                [1.0, running, running * context, 0.0, running],
+                row["server_step_ms"] / 1000,
+                f"decode {running}x{row['prompt_tokens']}",
+            )
+        )
     features = np.array([f if per_seq else f[:4] for f, _, _ in rows])
     target = np.array([t for _, t, _ in rows])
     weights = 1 / target

