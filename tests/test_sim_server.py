@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -17,6 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from kvrouter.config import load_fleet
+from kvrouter.sim.cli import free_port_run
 from kvrouter.sim.profiles import build_engine, get_profile
 from kvrouter.sim.server import ReplicaSettings, build_replica_app
 from kvrouter.sim.textio import SimTokenizer
@@ -160,18 +160,12 @@ async def test_a_client_that_disconnects_is_aborted_in_the_engine(client: Client
     assert await metric(client, "vllm:kv_cache_usage_perc") == 0.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def test_cli_serves_replicas_and_writes_a_fleet_file(tmp_path: Path) -> None:
-    base = free_port()
+    base = free_port_run(2)
     fleet_file = tmp_path / "replicas.yaml"
     command = [
         sys.executable, "-m", "kvrouter.cli", "sim", "--replicas", "2", "--profile", "cpu-tiny",
-        "--base-port", str(base), "--kv-base-port", str(free_port()), "--write-replicas", str(fleet_file),
+        "--base-port", str(base), "--kv-base-port", str(free_port_run(4)), "--write-replicas", str(fleet_file),
         "--time-scale", "10", "--num-gpu-blocks", "512", "--tokenizer", str(ensure_tokenizer()),
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+import zmq
 
 from kvrouter.sim.profiles import PROFILES, Profile, build_engine, get_profile
 from kvrouter.sim.server import ReplicaSettings, build_replica_app
@@ -53,6 +54,29 @@ class Layout:
     http_port: int
     pub_port: int
     replay_port: int
+
+
+def free_port_run(count: int, host: str = "127.0.0.1", start: int = 20000, stop: int = 60000) -> int:
+    """The first port of `count` consecutive ports free on `host` now (for tests and tools)."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(start, stop - count)
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind((host, port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise OSError(f"no run of {count} free ports found")
 
 
 def layouts(count: int, base_port: int, kv_base_port: int | None) -> list[Layout]:
@@ -105,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_serve(args, profile))
     except KeyboardInterrupt:
         pass
-    except OSError as error:
+    except (OSError, zmq.ZMQError) as error:
         print(f"kvrouter sim: {error}", file=sys.stderr)
         return 1
     return 0
@@ -174,5 +198,5 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
     finally:
         for runner in runners:
             await runner.cleanup()
-        context.term()
+        context.destroy(linger=0)  # closes sockets left open by a failed start, which term() would wait for
         executor.shutdown(wait=False)

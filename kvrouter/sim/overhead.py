@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -21,17 +20,13 @@ from pathlib import Path
 
 import aiohttp
 
+from kvrouter.sim.cli import free_port_run
+
 
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return (int(fields[11]) + int(fields[12])) / ticks
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def _client(
@@ -58,12 +53,13 @@ async def _client(
 
 
 async def _measure(args: argparse.Namespace) -> int:
-    base = _free_port()
+    base = free_port_run(args.replicas)
+    kv_base = free_port_run(2 * args.replicas)
     with tempfile.TemporaryDirectory() as tmp:
         fleet_file = Path(tmp) / "replicas.yaml"
         command = [
             sys.executable, "-m", "kvrouter.cli", "sim", "--replicas", str(args.replicas), "--profile", args.profile,
-            "--base-port", str(base), "--kv-base-port", str(_free_port()), "--write-replicas", str(fleet_file),
+            "--base-port", str(base), "--kv-base-port", str(kv_base), "--write-replicas", str(fleet_file),
             "--time-scale", str(args.time_scale), "--log-level", "warning",
         ]  # fmt: skip
         process = await asyncio.create_subprocess_exec(*command)
