@@ -199,6 +199,17 @@ class Settings(BaseSettings):
         default=5.0, ge=0, description="How long a routed request's blocks count as cached before events confirm."
     )
 
+    # The kv_aware policy's estimate of each replica's time to first token (kvrouter/policies/kv_aware.py).
+    kv_prefill_tokens_per_s: float = Field(default=48_000.0, gt=0, description="A replica's prefill tokens/s.")
+    kv_batch_tokens: int = Field(default=8192, ge=1, description="Prompt tokens an engine pass computes.")
+    kv_decode_pass_s: float = Field(default=0.006, ge=0, description="Pass time added when a replica decodes.")
+    kv_decode_s_per_request: float = Field(default=0.0005, ge=0, description="Pass time per decoding request.")
+    kv_waiting_request_tokens: int = Field(
+        default=0, ge=0, description="Tokens assumed per engine-reported waiting request this router did not send."
+    )
+    kv_hotspot_ratio: float = Field(default=2.0, gt=0, description="Load cap: this x the fleet's mean in flight...")
+    kv_hotspot_slack: float = Field(default=8.0, ge=0, description="...plus this; above it cache credit is lost.")
+
     api_keys: list[str] = Field(default_factory=list, description="Accepted client Bearer keys (empty: open).")
     admin_token: str | None = Field(default=None, description="Bearer token for /admin and /debug endpoints.")
     forward_authorization: bool = Field(
