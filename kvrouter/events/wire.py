@@ -176,11 +176,20 @@ class _Payload(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+class _MapPayload(msgspec.Struct, array_like=True, gc=False):
+    """The whole payload of a vLLM >= 0.24 engine in one decode; anything else takes the per-event path."""
+
+    ts: float
+    events: list[_MapEvent]
+    data_parallel_rank: int | None = None
+
+
 class WireDecoder:
     """Decodes payloads into `EventBatch`es; one instance per consumer (msgspec decoders are not shared state)."""
 
     def __init__(self) -> None:
         self._payload = msgspec.msgpack.Decoder(_Payload)
+        self._map_payload = msgspec.msgpack.Decoder(_MapPayload)
         self._map_event = msgspec.msgpack.Decoder(_MapEvent)
         self._array_event = msgspec.msgpack.Decoder(_ArrayEvent)
         self._peek = msgspec.msgpack.Decoder(Any)
@@ -189,6 +198,13 @@ class WireDecoder:
         self, replica: str, seq: int, payload: bytes
     ) -> tuple[EventBatch | None, list[DecodeProblem]]:
         """The batch (None when the payload itself is unreadable) and the problems met on the way."""
+        try:
+            whole = self._map_payload.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        else:
+            normalised = [_normalise(event) for event in whole.events]
+            return EventBatch(replica, whole.data_parallel_rank or 0, seq, whole.ts, normalised), []
         try:
             raw = self._payload.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
