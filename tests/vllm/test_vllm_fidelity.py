@@ -26,6 +26,8 @@ from tests.vllm_support.server import SERVED_MODEL, VllmServer, free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 TTFT_TOLERANCE = 0.20
+ROUND_SEEDS = (11, 12)
+"""The sequence runs once per seed, from empty caches each time: 32 requests per side."""
 
 
 def ids(rng: random.Random, count: int) -> list[int]:
@@ -112,19 +114,19 @@ def test_simulator_matches_real_vllm_on_cached_tokens_and_median_ttft(
     simulated_replica: str, vllm_fleet: dict[str, VllmServer]
 ) -> None:
     real = vllm_fleet["vllm-a"].url
-    for url in (real, simulated_replica):
-        assert http_call("POST", f"{url}/reset_prefix_cache").status == 200
-    # Warm-up on a prompt nobody reuses: the first requests after start pay one-off costs on real vLLM.
     warm = random.Random(99)
-    for _ in range(2):
-        stream_first_token(real, "/v1/completions", {"prompt": ids(warm, 64), "max_tokens": 1})
-        stream_first_token(simulated_replica, "/v1/completions", {"prompt": ids(warm, 64), "max_tokens": 1})
     rows = []
-    for label, path, body in request_sequence(seed=11):
-        request = {**body, "max_tokens": 1}
-        real_ttft, real_usage = stream_first_token(real, path, request)
-        sim_ttft, sim_usage = stream_first_token(simulated_replica, path, request)
-        rows.append((label, real_usage, sim_usage, real_ttft, sim_ttft))
+    for seed in ROUND_SEEDS:
+        for url in (real, simulated_replica):
+            assert http_call("POST", f"{url}/reset_prefix_cache").status == 200
+            # Warm-up on prompts nobody reuses (real vLLM's first requests after a pause run slower).
+            for _ in range(2):
+                stream_first_token(url, "/v1/completions", {"prompt": ids(warm, 64), "max_tokens": 1})
+        for label, path, body in request_sequence(seed):
+            request = {**body, "max_tokens": 1}
+            real_ttft, real_usage = stream_first_token(real, path, request)
+            sim_ttft, sim_usage = stream_first_token(simulated_replica, path, request)
+            rows.append((label, real_usage, sim_usage, real_ttft, sim_ttft))
 
     def cached(usage: dict[str, Any]) -> int:
         return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
@@ -137,10 +139,11 @@ def test_simulator_matches_real_vllm_on_cached_tokens_and_median_ttft(
     print("real/sim\n" + table)
     assert [ru["prompt_tokens"] for _, ru, _, _, _ in rows] == [su["prompt_tokens"] for _, _, su, _, _ in rows], table
     assert [cached(ru) for _, ru, _, _, _ in rows] == [cached(su) for _, _, su, _, _ in rows], table
-    assert sum(1 for _, ru, _, _, _ in rows if cached(ru) > 0) >= 7, table
+    assert sum(1 for _, ru, _, _, _ in rows if cached(ru) > 0) >= 7 * len(ROUND_SEEDS), table
     real_median = statistics.median(rt for _, _, _, rt, _ in rows)
     sim_median = statistics.median(st for _, _, _, _, st in rows)
     ratio = sim_median / real_median
+    print(f"median TTFT real {real_median * 1000:.1f} ms, sim {sim_median * 1000:.1f} ms, ratio {ratio:.2f}")
     assert abs(ratio - 1) <= TTFT_TOLERANCE, (
         f"median TTFT real {real_median * 1000:.1f} ms, sim {sim_median * 1000:.1f} ms (ratio {ratio:.2f})\n{table}"
     )
