@@ -1,0 +1,223 @@
+"""`kvrouter relay --replicas replicas.yaml --redis-url URL`: vLLM KV events from ZMQ into Redis.
+
+The relay subscribes to each replica's KV-event publisher with the same ZMQ source, decoding, gap replay and
+restart detection the router uses in embedded mode, and applies every batch with the same `IndexIngest` — but
+into a `RelayBook` (the relay's authoritative block state) instead of a router's index. The ops that produces
+(stored blocks with kvrouter's keys, removals, clears) are written to Redis per replica by a `ReplicaWriter`:
+a bounded stream plus a periodic snapshot, and a new epoch on engine restart or clear (see redisplane/).
+
+A restarted relay first reads each replica's state back from Redis and resumes the engine's sequence numbers
+from there, so vLLM's replay buffer fills the gap; if Redis lost its data the relay rebuilds it from its own
+state under a new epoch. One relay can serve many replicas (``--only NAME`` picks some, for a sidecar per
+replica). Knobs: ``--flush-interval`` (how long batches gather before a write), ``--verify-interval`` (how
+often an idle relay checks that Redis still holds what it wrote), the snapshot ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import cast
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from kvrouter.config import ConfigError, FleetConfig, load_fleet
+from kvrouter.events.ingest import IndexIngest
+from kvrouter.events.wire import EventBatch
+from kvrouter.index import PrefixIndex
+from kvrouter.redisplane.catchup import CatchupError
+from kvrouter.redisplane.layout import DEFAULT_PREFIX, replica_keys
+from kvrouter.redisplane.state import RelayBook
+from kvrouter.redisplane.writer import ReplicaWriter, WriterKnobs
+from kvrouter.typedefs import ReplicaName
+
+log = logging.getLogger("kvrouter.relay")
+
+
+@dataclass(frozen=True, slots=True)
+class RelayKnobs:
+    flush_interval_s: float = 0.005
+    verify_interval_s: float = 1.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
+    writer: WriterKnobs = field(default_factory=WriterKnobs)
+
+
+class Relay:
+    """The relay's core: `accept` is the ZMQ sources' sink; `run` writes to Redis until cancelled."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        fleet: FleetConfig,
+        replicas: Iterable[ReplicaName],
+        *,
+        clock_ms: Callable[[], int],
+        prefix: str = DEFAULT_PREFIX,
+        knobs: RelayKnobs | None = None,
+    ) -> None:
+        self.redis = redis
+        self.knobs = knobs or RelayKnobs()
+        names = list(replicas)
+        self.book = RelayBook(names)
+        block_sizes = {r.replica: fleet.block_size_of(r) for r in fleet.replicas if r.replica in self.book.states}
+        # The ingest is typed for the router's index; the book has the same event methods (see redisplane.state).
+        self.ingest = IndexIngest(cast(PrefixIndex, self.book), block_sizes=block_sizes, seed=fleet.hash_seed)
+        self.writers = {
+            name: ReplicaWriter(
+                redis,
+                replica_keys(name, prefix),
+                self.book[name],
+                hash_seed=fleet.hash_seed,
+                clock_ms=clock_ms,
+                knobs=self.knobs.writer,
+            )
+            for name in names
+        }
+        self.engine_seq: dict[ReplicaName, int] = dict.fromkeys(names, -1)
+        self.accepted = 0
+        self.redis_up = False
+        self.opened = False
+        self._dirty: set[ReplicaName] = set()
+        self._wake = asyncio.Event()
+
+    async def open(self) -> dict[ReplicaName, int | None]:
+        """Read every replica's state back from Redis; the engine sequence number each one resumes after."""
+        resume: dict[ReplicaName, int | None] = {}
+        for name, writer in self.writers.items():
+            seq = await writer.open()
+            resume[name] = seq
+            if seq is not None:
+                self.engine_seq[name] = seq
+            self._dirty.add(name)
+        self.redis_up = True
+        self.opened = True
+        return resume
+
+    def settled(self) -> bool:
+        """Everything accepted so far is in Redis."""
+        return not self._dirty and all(w.settled() for w in self.writers.values())
+
+    def accept(self, batch: EventBatch) -> None:
+        """One decoded engine batch (in order, gaps already replayed by the source)."""
+        replica = ReplicaName(batch.replica)
+        if replica not in self.writers:
+            return
+        self.ingest.apply(batch)
+        self.engine_seq[replica] = batch.seq
+        self.accepted += 1
+        self._dirty.add(replica)
+        self._wake.set()
+
+    def restart_seen(self, replica: ReplicaName) -> None:
+        """The source saw the engine restart: its old blocks are gone; a new epoch tells every router."""
+        self.book.clear(replica)
+        self._dirty.add(replica)
+        self._wake.set()
+
+    async def flush(self) -> None:
+        """Write what is pending for every dirty replica; a replica whose write fails stays dirty."""
+        dirty, self._dirty = self._dirty, set()
+        failed: BaseException | None = None
+        for name in dirty:
+            try:
+                await self.writers[name].flush(self.engine_seq[name])
+            except (RedisError, OSError) as error:
+                self._dirty.add(name)
+                failed = error
+        if failed is not None:
+            raise failed
+
+    async def verify(self) -> None:
+        """An idle relay still checks that Redis holds what it wrote (Redis may have restarted empty)."""
+        for name, writer in self.writers.items():
+            if not await writer.verify():
+                self._dirty.add(name)
+        await self.flush()
+
+    async def run(self) -> None:
+        """Open (retrying until Redis answers), then write until cancelled; Redis trouble is retried."""
+        delay = self.knobs.backoff_initial_s
+        last_verify = time.monotonic()
+        while True:
+            try:
+                if not self.opened:
+                    await self.open()
+                    log.info("relay: state of %d replicas read back from Redis", len(self.writers))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.knobs.verify_interval_s)
+                self._wake.clear()
+                if self.knobs.flush_interval_s > 0:
+                    await asyncio.sleep(self.knobs.flush_interval_s)
+                if time.monotonic() - last_verify >= self.knobs.verify_interval_s:
+                    last_verify = time.monotonic()
+                    await self.verify()
+                else:
+                    await self.flush()
+                self.redis_up = True
+                delay = self.knobs.backoff_initial_s
+            except (RedisError, OSError, CatchupError) as error:
+                if self.redis_up:
+                    log.warning("relay: Redis unavailable (%s); retrying", error)
+                self.redis_up = False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.knobs.backoff_max_s)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", required=True, help="path of replicas.yaml")
+    parser.add_argument("--redis-url", required=True, help="Redis to write to, e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--only", action="append", default=None, metavar="NAME", help="relay only this replica (repeatable)"
+    )
+    parser.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="prefix of the Redis keys (default kvrouter)")
+    parser.add_argument("--flush-interval", type=float, default=0.005, help="seconds batches gather per write")
+    parser.add_argument("--verify-interval", type=float, default=1.0, help="seconds between idle checks of Redis")
+    parser.add_argument(
+        "--snapshot-ratio", type=float, default=0.5, help="snapshot when blocks touched reach this × state size"
+    )
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def selected_replicas(fleet: FleetConfig, only: list[str] | None) -> list[ReplicaName]:
+    with_events = [r.replica for r in fleet.replicas if r.kv_events is not None]
+    if not only:
+        return with_events
+    unknown = sorted(set(only) - {r.name for r in fleet.replicas})
+    if unknown:
+        raise ConfigError(f"--only: no replica named {', '.join(unknown)} in replicas.yaml")
+    return [r for r in with_events if r in set(only)]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        fleet = load_fleet(args.replicas)
+        replicas = selected_replicas(fleet, args.only)
+    except ConfigError as error:
+        print(f"kvrouter relay: {error}", file=sys.stderr)
+        return 2
+    if not replicas:
+        print("kvrouter relay: no replica has kv_events configured; nothing to relay", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    knobs = RelayKnobs(
+        flush_interval_s=args.flush_interval,
+        verify_interval_s=args.verify_interval,
+        writer=WriterKnobs(snapshot_ratio=args.snapshot_ratio),
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_main(args.redis_url, fleet, replicas, args.key_prefix, knobs))
+    return 0
+
+
+async def _main(url: str, fleet: FleetConfig, replicas: list[ReplicaName], prefix: str, knobs: RelayKnobs) -> None:
+    redis = Redis.from_url(url, socket_timeout=10.0, socket_connect_timeout=2.0, protocol=2)
+    Relay(redis, fleet, replicas, clock_ms=lambda: time.time_ns() // 1_000_000, prefix=prefix, knobs=knobs)
+    raise NotImplementedError("the ZMQ sources are wired in once kvrouter.events provides them")
