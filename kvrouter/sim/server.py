@@ -132,11 +132,8 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
     replica = request.app[REPLICA]
+    # Like vLLM, AllBlocksCleared goes out with the engine's next pass, not at the reset itself.
     ok = replica.engine.reset_prefix_cache()
-    take_events = getattr(replica.engine, "take_events", None)
-    if ok and replica.publisher is not None and callable(take_events):
-        # vLLM publishes AllBlocksCleared with its next pass; an idle engine makes none, so send it now.
-        replica.publisher.publish(take_events())
     return web.json_response({"success": ok})
 
 
