@@ -1,0 +1,165 @@
+"""The kv_aware policy: TTFT estimate per replica, hot-spot guard, tie-breaks, prefill progress, purity."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrouter.config import Settings
+from kvrouter.policies import build_policy
+from kvrouter.policies.base import Candidate, ReplicaLoad, RouteRequest
+from kvrouter.policies.kv_aware import KvAwareConfig, KvAwarePolicy
+from kvrouter.typedefs import ReplicaName
+
+A, B, C = ReplicaName("a"), ReplicaName("b"), ReplicaName("c")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def cand(name: ReplicaName, cached: int = 0, *, in_flight: int = 0, pending: int = 0, decoding: int = 0) -> Candidate:
+    load = ReplicaLoad(in_flight=in_flight, pending_prefill_tokens=pending, decode_requests=decoding)
+    return Candidate(name, cached, load)
+
+
+def policy(**overrides: float) -> KvAwarePolicy:
+    return KvAwarePolicy(KvAwareConfig(**overrides), clock=FakeClock())  # type: ignore[arg-type]
+
+
+def test_cached_replica_wins_when_queues_are_equal() -> None:
+    decision = policy().select(RouteRequest(prompt_tokens=10_000), [cand(A), cand(B, 8192), cand(C, 4096)])
+    assert decision.chosen == B
+
+
+def test_queue_outweighs_cache() -> None:
+    # B holds 8k of a 10k prompt but has 100k tokens of prefill queued: about 2 s, against 0.2 s on A.
+    decision = policy().select(
+        RouteRequest(prompt_tokens=10_000), [cand(A, in_flight=1), cand(B, 8192, in_flight=3, pending=100_000)]
+    )
+    assert decision.chosen == A
+    scores = {s.replica: s for s in decision.candidates}
+    assert scores[B].score > scores[A].score
+    assert scores[A].breakdown["uncached_tokens"] == 10_000
+    assert scores[B].breakdown["uncached_tokens"] == 10_000 - 8192
+
+
+def test_score_is_an_estimate_in_seconds() -> None:
+    decision = policy(prefill_tokens_per_s=10_000, decode_pass_s=0.0, decode_s_per_request=0.0).select(
+        RouteRequest(prompt_tokens=5_000), [cand(A, 1_000, pending=6_000)]
+    )
+    (score,) = decision.candidates
+    assert score.score == pytest.approx((6_000 + 4_000) / 10_000)
+    assert score.breakdown["prefill_s"] == pytest.approx(1.0)
+
+
+def test_decode_load_makes_a_replica_slower() -> None:
+    decision = policy().select(
+        RouteRequest(prompt_tokens=20_000), [cand(A, in_flight=40, decoding=40), cand(B, in_flight=4, decoding=4)]
+    )
+    scores = {s.replica: s for s in decision.candidates}
+    assert decision.chosen == B
+    assert scores[A].breakdown["decode_s"] > scores[B].breakdown["decode_s"] > 0
+    assert scores[A].breakdown["passes"] == pytest.approx(20_000 / 8192)
+
+
+def test_hot_spot_loses_its_cache_credit_only_for_itself() -> None:
+    kv = policy(hotspot_ratio=1.5, hotspot_slack=2)
+    request = RouteRequest(prompt_tokens=4_000)
+    # Mean in flight is 10; A at 30 is over the cap (1.5 x 10 + 2 = 17) and its 3.9k cached tokens do not count.
+    candidates = [cand(A, 3_968, in_flight=30), cand(B, 1_024, in_flight=0), cand(C, in_flight=0)]
+    decision = kv.select(request, candidates)
+    scores = {s.replica: s for s in decision.candidates}
+    assert scores[A].breakdown["hot_spot"] == 1.0
+    assert scores[A].breakdown["cache_credit_tokens"] == 0
+    assert scores[A].cached_tokens == 3_968  # still reported: it is what the index believes
+    assert scores[B].breakdown["hot_spot"] == 0.0
+    assert scores[B].breakdown["cache_credit_tokens"] == 1_024
+    assert decision.chosen == B
+    # Below the cap the same replica keeps its credit and wins.
+    calm = kv.select(request, [cand(A, 3_968, in_flight=12), cand(B, 1_024, in_flight=6), cand(C, in_flight=6)])
+    assert calm.chosen == A
+
+
+def test_ties_go_to_the_less_loaded_then_rotate() -> None:
+    kv = policy(decode_pass_s=0.0, decode_s_per_request=0.0)
+    request = RouteRequest(prompt_tokens=100)
+    assert kv.select(request, [cand(A, in_flight=3), cand(B, in_flight=1)]).chosen == B
+    chosen = []
+    for _ in range(4):
+        decision = kv.select(request, [cand(A), cand(B)])
+        kv.record(decision)
+        chosen.append(decision.chosen)
+    assert set(chosen) == {A, B}
+
+
+def test_select_is_a_dry_run() -> None:
+    kv = policy()
+    request = RouteRequest(prompt_tokens=9_000)
+    candidates = [cand(A, 512, pending=20_000, in_flight=2), cand(B, pending=30_000, in_flight=2)]
+    first = kv.select(request, candidates)
+    assert kv.select(request, candidates) == first
+    assert kv._lanes == {} and kv._turn == 0
+
+
+def test_prefill_in_progress_comes_off_the_queue() -> None:
+    clock = FakeClock()
+    kv = KvAwarePolicy(KvAwareConfig(decode_pass_s=0.0, decode_s_per_request=0.0), clock=clock)
+    big = RouteRequest(prompt_tokens=96_000)
+    first = kv.select(big, [cand(A), cand(B, in_flight=1, pending=1)])
+    assert first.chosen == A
+    kv.record(first)
+    # One second later A has computed about 48k of the 96k tokens the load book still counts as pending.
+    clock.now += 1.0
+    small = RouteRequest(prompt_tokens=1_000)
+    decision = kv.select(small, [cand(A, in_flight=1, pending=96_000), cand(B, in_flight=1, pending=60_000)])
+    scores = {s.replica: s for s in decision.candidates}
+    assert scores[A].breakdown["prefill_in_progress_tokens"] == pytest.approx(48_000)
+    assert scores[A].breakdown["queued_prefill_tokens"] == pytest.approx(48_000)
+    assert decision.chosen == A
+    # Progress never takes the whole request off: it is pending until its first token.
+    clock.now += 10.0
+    later = kv.select(small, [cand(A, in_flight=1, pending=96_000)])
+    assert later.candidates[0].breakdown["queued_prefill_tokens"] > 0
+
+
+def test_finished_prefills_leave_the_history() -> None:
+    clock = FakeClock()
+    kv = KvAwarePolicy(KvAwareConfig(decode_pass_s=0.0, decode_s_per_request=0.0), clock=clock)
+    for tokens, pending in ((10_000, 0), (20_000, 10_000)):
+        decision = kv.select(RouteRequest(prompt_tokens=tokens), [cand(A, pending=pending)])
+        kv.record(decision)
+    lane = kv._lanes[A]
+    assert [t for _, t in lane.sent] == [10_000, 20_000]
+    clock.now += 0.5
+    # The first request reached its first token: only the second one's 20k are pending.
+    kv.record(kv.select(RouteRequest(prompt_tokens=2), [cand(A, pending=20_000)]))
+    assert [t for _, t in lane.sent] == [20_000, 2]
+    assert lane.head_since == pytest.approx(100.25)
+
+
+def test_no_tokenizer_routes_on_load() -> None:
+    decision = policy().select(RouteRequest(prompt_tokens=None), [cand(A, in_flight=5, pending=9_000), cand(B)])
+    assert decision.chosen == B
+
+
+def test_factory_reads_the_kv_settings() -> None:
+    kv = build_policy("kv_aware", Settings(kv_prefill_tokens_per_s=1234.0, kv_hotspot_slack=3.0))
+    assert isinstance(kv, KvAwarePolicy)
+    assert kv.config.prefill_tokens_per_s == 1234.0
+    assert kv.config.hotspot_slack == 3.0
+    assert kv.config.batch_tokens == Settings().kv_batch_tokens
+    defaults = KvAwareConfig()
+    settings = Settings()
+    for name in KvAwareConfig.__dataclass_fields__:
+        assert getattr(settings, f"kv_{name}") == getattr(defaults, name), name
+
+
+def test_bad_config_is_refused() -> None:
+    with pytest.raises(ValueError):
+        KvAwareConfig(prefill_tokens_per_s=0)
+    with pytest.raises(ValueError):
+        KvAwareConfig(hotspot_ratio=0)
