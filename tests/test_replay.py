@@ -214,8 +214,18 @@ def test_cli_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str
     report = json.loads((out / "report.json").read_text())
     assert set(report["rows"]) == {"round_robin", "kv_aware"}
     row = report["rows"]["kv_aware"]
-    for field in ("ttft_p50", "ttft_p90", "ttft_p99", "e2e_p50", "e2e_p99", "requests_per_s",
-                  "output_tokens_per_s", "hit_rate", "replicas", "floor_ttft_p99"):
+    for field in (
+        "ttft_p50",
+        "ttft_p90",
+        "ttft_p99",
+        "e2e_p50",
+        "e2e_p99",
+        "requests_per_s",
+        "output_tokens_per_s",
+        "hit_rate",
+        "replicas",
+        "floor_ttft_p99",
+    ):
         assert row[field] is not None, field
     assert len(row["replicas"]) == 3
     with (out / "requests_kv_aware.csv").open() as handle:
