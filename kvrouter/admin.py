@@ -1,4 +1,4 @@
-"""The admin API: look at and steer the fleet of a running router, and tell orchestrators when it is ready.
+"""The admin API's HTTP shell, and the probes orchestrators call.
 
 Routes, all behind `Settings.admin_token` sent as ``Authorization: Bearer TOKEN`` (with no token configured they
 answer 403: a router is never steerable by accident):
@@ -10,18 +10,14 @@ answer 403: a router is never steerable by accident):
 * ``POST /admin/replicas/{name}/undrain`` — routable again.
 * ``POST /admin/reload`` — re-read replicas.yaml and apply it live; SIGHUP does the same.
 
+With Redis (``KVROUTER_REDIS_URL``) drains, undrains and reloads reach every router instance
+(`kvrouter.admin_shared`); the answers say whether the change was shared. Without it they act on this instance.
+The work itself is `kvrouter.fleet_admin.FleetAdmin`.
+
 And, open because kubelets and load balancers call them: ``GET /ready`` — 200 once every readiness check passes
 (the fleet is loaded, the event source has delivered the prefix index), else 503 naming the failing checks; and
 ``GET /live`` — 200 while the event loop answers (liveness must not fail when the replicas do: /health answers
 503 when no replica is routable, and restarting the router would not help).
-
-A reload is planned purely (`plan_reload`) and applied through `FleetHooks`, which the app factory implements
-over its replica set, load book, index and event sources. Added replicas start probing and following events;
-removed replicas take no new requests at once and their in-flight requests finish on the objects they already
-hold; a replica whose URL, events endpoint or block size changed starts afresh (its index entries are dropped);
-a weight change applies in place. Drain flags survive a reload. Fleet-wide fields (tokenizer, block_size,
-hash_seed, lora_adapters) change every block key, so a reload that changes them is refused with 409: restart.
-Drain state is per router instance; run the call against every instance (docs/runbook.md).
 """
 
 from __future__ import annotations
@@ -33,120 +29,16 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Protocol
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvrouter.config import ConfigError, FleetConfig, ReplicaConfig, load_fleet
+from kvrouter.config import ConfigError
+from kvrouter.fleet_admin import FleetAdmin, ReloadRefused
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
 
-FLEET_WIDE_FIELDS = ("tokenizer", "block_size", "hash_seed", "lora_adapters")
-"""replicas.yaml fields every block key depends on: changing them live would silently empty the index."""
-
-DRAIN_POLL_S = 0.05
 MAX_DRAIN_WAIT_S = 3600.0
-
-
-class ReloadRefused(Exception):
-    """The new replicas.yaml cannot be applied live; the message says why and what to do instead."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReloadPlan:
-    """What a reload changes, by replica name, in replicas.yaml order."""
-
-    added: tuple[ReplicaConfig, ...] = ()
-    removed: tuple[ReplicaName, ...] = ()
-    replaced: tuple[ReplicaConfig, ...] = ()
-    """Same name, different URL, events endpoint or block size: a different engine as far as the index knows."""
-    reweighted: tuple[ReplicaConfig, ...] = ()
-    unchanged: tuple[ReplicaName, ...] = ()
-
-    @property
-    def empty(self) -> bool:
-        return not (self.added or self.removed or self.replaced or self.reweighted)
-
-    def as_json(self) -> dict[str, list[str]]:
-        return {
-            "added": [r.name for r in self.added],
-            "removed": list(self.removed),
-            "replaced": [r.name for r in self.replaced],
-            "reweighted": [r.name for r in self.reweighted],
-            "unchanged": list(self.unchanged),
-        }
-
-
-def plan_reload(current: FleetConfig, new: FleetConfig) -> ReloadPlan:
-    """Compare two fleets; raises `ReloadRefused` when a fleet-wide field changed."""
-    changed = [name for name in FLEET_WIDE_FIELDS if getattr(current, name) != getattr(new, name)]
-    if changed:
-        raise ReloadRefused(
-            f"{', '.join(changed)} changed; every block key depends on "
-            f"{'it' if len(changed) == 1 else 'them'}, so restart the router to apply this file"
-        )
-    old = {r.name: r for r in current.replicas}
-    added: list[ReplicaConfig] = []
-    replaced: list[ReplicaConfig] = []
-    reweighted: list[ReplicaConfig] = []
-    unchanged: list[ReplicaName] = []
-    for replica in new.replicas:
-        before = old.get(replica.name)
-        if before is None:
-            added.append(replica)
-        elif before == replica:
-            unchanged.append(replica.replica)
-        elif before.model_copy(update={"weight": replica.weight}) == replica:
-            reweighted.append(replica)
-        elif current.block_size_of(before) != new.block_size_of(replica) or before.url != replica.url or (
-            before.kv_events != replica.kv_events
-        ):
-            replaced.append(replica)
-        else:
-            unchanged.append(replica.replica)
-    names = {r.name for r in new.replicas}
-    removed = tuple(ReplicaName(r.name) for r in current.replicas if r.name not in names)
-    return ReloadPlan(tuple(added), removed, tuple(replaced), tuple(reweighted), tuple(unchanged))
-
-
-class FleetHooks(Protocol):
-    """What the admin API needs from the application; the app factory implements it over its own parts."""
-
-    def describe_replicas(self) -> list[dict[str, object]]:
-        """One JSON-able dict per replica, in order, each with at least "name" and "in_flight"."""
-        ...
-
-    def in_flight(self, name: ReplicaName) -> int: ...
-
-    def set_draining(self, name: ReplicaName, draining: bool) -> None: ...
-
-    async def add_replica(self, fleet: FleetConfig, replica: ReplicaConfig) -> None:
-        """Start routing to, probing and following the events of a new replica."""
-        ...
-
-    async def remove_replica(self, name: ReplicaName) -> None:
-        """Stop routing to it and following its events, forget its index entries; in-flight requests finish."""
-        ...
-
-    def reweight_replica(self, fleet: FleetConfig, replica: ReplicaConfig) -> None: ...
-
-
-class AdminMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.reloads = Counter(
-            "kvrouter_fleet_reloads", "replicas.yaml reloads, by result (applied, unchanged, invalid, refused).",
-            ["result"], registry=registry,
-        )
-        self.draining = Gauge(
-            "kvrouter_replica_draining", "1 while an operator has drained the replica on this router.",
-            ["replica"], registry=registry,
-        )
-        self.fleet_replicas = Gauge(
-            "kvrouter_fleet_replicas", "Replicas in the loaded replicas.yaml.", registry=registry,
-        )
 
 
 ReadinessCheck = Callable[[], "bool | str"]
@@ -176,100 +68,6 @@ class Readiness:
                 ready = False
                 results[name] = outcome if isinstance(outcome, str) and outcome else "not ready"
         return ready, results
-
-
-class FleetAdmin:
-    """Holds the loaded fleet and the drain flags; serialises reloads."""
-
-    def __init__(
-        self,
-        *,
-        fleet: FleetConfig,
-        fleet_path: Path | None,
-        hooks: FleetHooks,
-        metrics: AdminMetrics,
-        load: Callable[[Path], FleetConfig] = load_fleet,
-    ) -> None:
-        self.fleet = fleet
-        self.fleet_path = fleet_path
-        self.hooks = hooks
-        self.metrics = metrics
-        self.draining: set[ReplicaName] = set()
-        self._load = load
-        self._lock = asyncio.Lock()
-        metrics.fleet_replicas.set(len(fleet.replicas))
-
-    def has(self, name: str) -> bool:
-        return any(r.name == name for r in self.fleet.replicas)
-
-    def drain(self, name: ReplicaName) -> None:
-        self.draining.add(name)
-        self.hooks.set_draining(name, True)
-        self.metrics.draining.labels(name).set(1)
-        log.info("replica %s drained: no new requests", name)
-
-    def undrain(self, name: ReplicaName) -> None:
-        self.draining.discard(name)
-        self.hooks.set_draining(name, False)
-        self.metrics.draining.labels(name).set(0)
-        log.info("replica %s undrained", name)
-
-    async def wait_idle(self, name: ReplicaName, timeout_s: float) -> int:
-        """Wait until `name` has nothing in flight or `timeout_s` passed; the in-flight count at the end."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        # Polled: the load book counts requests synchronously on the hot path and notifies nobody.
-        while True:
-            remaining = self.hooks.in_flight(name)
-            left = deadline - loop.time()
-            if remaining == 0 or left <= 0:
-                return remaining
-            await asyncio.sleep(min(DRAIN_POLL_S, left))
-
-    async def reload(self) -> ReloadPlan:
-        """Re-read replicas.yaml and apply it; raises ConfigError or ReloadRefused and then changes nothing."""
-        if self.fleet_path is None:
-            raise ReloadRefused("this router was started without a replicas.yaml path; nothing to re-read")
-        async with self._lock:
-            try:
-                new = await asyncio.to_thread(self._load, self.fleet_path)
-                plan = plan_reload(self.fleet, new)
-            except ConfigError:
-                self.metrics.reloads.labels("invalid").inc()
-                raise
-            except ReloadRefused:
-                self.metrics.reloads.labels("refused").inc()
-                raise
-            await self._apply(new, plan)
-            self.fleet = new
-            self.metrics.fleet_replicas.set(len(new.replicas))
-            self.metrics.reloads.labels("unchanged" if plan.empty else "applied").inc()
-            if not plan.empty:
-                log.info("replicas.yaml reloaded: %s", plan.as_json())
-            return plan
-
-    async def _apply(self, new: FleetConfig, plan: ReloadPlan) -> None:
-        # Removals first: a replica renamed in place must not briefly exist twice in the index.
-        for name in plan.removed:
-            await self.hooks.remove_replica(name)
-            self.draining.discard(name)
-            with contextlib.suppress(KeyError):
-                self.metrics.draining.remove(name)
-        for replica in plan.replaced:
-            await self.hooks.remove_replica(replica.replica)
-            await self.hooks.add_replica(new, replica)
-            if replica.replica in self.draining:
-                self.hooks.set_draining(replica.replica, True)
-        for replica in plan.reweighted:
-            self.hooks.reweight_replica(new, replica)
-        for replica in plan.added:
-            await self.hooks.add_replica(new, replica)
-
-    def describe(self) -> list[dict[str, object]]:
-        views = self.hooks.describe_replicas()
-        for view in views:
-            view["draining"] = view.get("name") in self.draining
-        return views
 
 
 ADMIN_KEY = web.AppKey("kvrouter_admin", FleetAdmin)
@@ -344,9 +142,11 @@ async def drain_replica(request: web.Request) -> web.Response:
     if isinstance(wait, web.Response):
         return wait
     admin = request.app[ADMIN_KEY]
-    admin.drain(name)
+    shared = await admin.drain(name)
     in_flight = await admin.wait_idle(name, wait) if wait > 0 else admin.hooks.in_flight(name)
-    return web.json_response({"replica": name, "draining": True, "in_flight": in_flight, "idle": in_flight == 0})
+    return web.json_response(
+        {"replica": name, "draining": True, "in_flight": in_flight, "idle": in_flight == 0, "shared": shared}
+    )
 
 
 async def undrain_replica(request: web.Request) -> web.Response:
@@ -354,19 +154,19 @@ async def undrain_replica(request: web.Request) -> web.Response:
     if isinstance(name, web.Response):
         return name
     admin = request.app[ADMIN_KEY]
-    admin.undrain(name)
-    return web.json_response({"replica": name, "draining": False})
+    shared = await admin.undrain(name)
+    return web.json_response({"replica": name, "draining": False, "shared": shared})
 
 
 async def reload_fleet(request: web.Request) -> web.Response:
     admin = request.app[ADMIN_KEY]
     try:
-        plan = await admin.reload()
+        plan, shared = await admin.reload()
     except ConfigError as error:
         return _error(400, str(error), "invalid_replicas_file")
     except ReloadRefused as error:
         return _error(409, str(error), "reload_refused")
-    return web.json_response({"reloaded": True, "changes": plan.as_json()})
+    return web.json_response({"reloaded": True, "changes": plan.as_json(), "shared": shared})
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -394,8 +194,10 @@ def setup_admin(
     token: str | None,
     readiness: Readiness | None = None,
     reload_on_sighup: bool = True,
+    sync_interval_s: float = 1.0,
 ) -> Readiness:
-    """Register the admin routes, /ready and (on the running loop) the SIGHUP reload; returns the Readiness."""
+    """Register the admin routes, /ready, the SIGHUP reload and, with shared state, its poller; returns the
+    Readiness."""
     readiness = readiness if readiness is not None else Readiness()
     app[ADMIN_KEY] = admin
     app[READINESS_KEY] = readiness
@@ -403,7 +205,22 @@ def setup_admin(
     add_admin_routes(app)
     if reload_on_sighup:
         app.cleanup_ctx.append(_sighup_reload(admin))
+    if admin.shared is not None:
+        app.cleanup_ctx.append(_shared_sync(admin, sync_interval_s))
     return readiness
+
+
+def _shared_sync(admin: FleetAdmin, interval_s: float) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def context(_app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(admin.run_sync(interval_s), name="kvrouter-admin-shared-state")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if admin.shared is not None:
+            await admin.shared.close()
+
+    return context
 
 
 def _sighup_reload(admin: FleetAdmin) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -439,4 +256,3 @@ def _sighup_reload(admin: FleetAdmin) -> Callable[[web.Application], AsyncIterat
         await asyncio.gather(*pending, return_exceptions=True)
 
     return context
-

@@ -19,8 +19,10 @@ from typing import Protocol, runtime_checkable
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvrouter.admin import AdminMetrics, FleetAdmin, Readiness, setup_admin
+from kvrouter.admin import Readiness, setup_admin
+from kvrouter.admin_shared import RedisAdminState
 from kvrouter.config import FleetConfig, ReplicaConfig
+from kvrouter.fleet_admin import AdminMetrics, FleetAdmin
 from kvrouter.load import LoadBook
 from kvrouter.metrics import RouterMetrics
 from kvrouter.replicas import ReplicaSet
@@ -133,12 +135,23 @@ def install_admin(
     registry: CollectorRegistry,
     index: object | None = None,
     events: object | None = None,
+    redis_url: str | None = None,
     reload_on_sighup: bool = True,
+    sync_interval_s: float = 1.0,
 ) -> tuple[FleetAdmin, Readiness]:
-    """Wire the admin API and /ready into `app`; parts of the app add readiness checks to the returned object."""
+    """Wire the admin API and /ready into `app`; parts of the app add readiness checks to the returned object.
+    With `redis_url`, drains and reloads are shared with every other instance using that Redis."""
     hooks = AppFleetHooks(replicas=replicas, load=load, metrics=metrics, index=index, events=events)
-    admin = FleetAdmin(fleet=fleet, fleet_path=fleet_path, hooks=hooks, metrics=AdminMetrics(registry))
-    readiness = setup_admin(app, admin, token=admin_token, reload_on_sighup=reload_on_sighup)
+    admin = FleetAdmin(
+        fleet=fleet,
+        fleet_path=fleet_path,
+        hooks=hooks,
+        metrics=AdminMetrics(registry),
+        shared=RedisAdminState(redis_url) if redis_url else None,
+    )
+    readiness = setup_admin(
+        app, admin, token=admin_token, reload_on_sighup=reload_on_sighup, sync_interval_s=sync_interval_s
+    )
     readiness.add("fleet", lambda: bool(admin.fleet.replicas) or "no replicas configured")
     if isinstance(events, ReadinessSource):
         source = events

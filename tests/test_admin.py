@@ -19,9 +19,10 @@ import yaml
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
-from kvrouter.admin import READINESS_KEY, ReloadRefused, plan_reload
+from kvrouter.admin import READINESS_KEY
 from kvrouter.app import REPLICAS, create_app
 from kvrouter.config import load_fleet, parse_fleet
+from kvrouter.fleet_admin import ReloadRefused, plan_reload
 from tests.conftest import ReplicaFactory, router_settings
 from tests.fake_replica import FakeReplica
 
@@ -153,7 +154,7 @@ async def test_drain_wait_returns_when_in_flight_requests_finished(
     await until(lambda: replicas[0].in_flight == 1)
 
     quick = await (await client.post("/admin/replicas/r0/drain?wait=0.1", headers=AUTH)).json()
-    assert quick == {"replica": "r0", "draining": True, "in_flight": 1, "idle": False}
+    assert quick == {"replica": "r0", "draining": True, "in_flight": 1, "idle": False, "shared": None}
 
     waiting = asyncio.ensure_future(client.post("/admin/replicas/r0/drain?wait=10", headers=AUTH))
     await asyncio.sleep(0.1)
@@ -172,7 +173,7 @@ async def test_undrain_brings_traffic_back(fake_replicas: ReplicaFactory, admin_
     served = {(await stream_completion(client))[1] for _ in range(4)}
     assert served == {"r0"}
     undrained = await client.post("/admin/replicas/r1/undrain", headers=AUTH)
-    assert (await undrained.json()) == {"replica": "r1", "draining": False}
+    assert (await undrained.json()) == {"replica": "r1", "draining": False, "shared": None}
     served = {(await stream_completion(client))[1] for _ in range(4)}
     assert served == {"r0", "r1"}
 
