@@ -132,6 +132,7 @@ def create_app(
         registry=metrics.registry,
         index=prefix.index,
         events=prefix.events,
+        redis_url=settings.redis_url,
     )
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_replica_watch)
