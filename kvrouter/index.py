@@ -34,8 +34,15 @@ from kvrouter.routing import PrefixMatch
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 _PROVISIONAL_RANK = -1
+_ZEROS = itertools.repeat(0)
+_NONES = itertools.repeat(None)
+_NEVER = itertools.repeat(float("inf"))
 _FIRST_CHUNK = 16
 _TIERS = tuple(Tier)
+
+
+def _consume(iterator: Iterable[object]) -> None:
+    deque(iterator, maxlen=0)
 
 
 @dataclass(slots=True)
@@ -194,20 +201,12 @@ class PrefixIndex:
         self._expire(now)
         source = self._source(replica, _PROVISIONAL_RANK)
         until = now + self.provisional_ttl_s
-        bit = source.bit
         table = self._provisional
-        marks = source.provisional_until
-        for key in keys:
-            table[key] = table.get(key, 0) | bit
-            marks[key] = until
+        # This runs for every routed request, so it stays in C: no Python-level step per key.
+        bits = map(operator.or_, map(table.get, keys, _ZEROS), itertools.repeat(source.bit))
+        table.update(zip(keys, bits, strict=True))
+        source.provisional_until.update(zip(keys, itertools.repeat(until)))
         self._expiries.append((until, source, tuple(keys)))
-
-    def _unmark_provisional(self, key: BlockKey, bit: int) -> None:
-        mask = self._provisional.get(key, 0) & ~bit
-        if mask:
-            self._provisional[key] = mask
-        else:
-            self._provisional.pop(key, None)
 
     def _expire(self, now: float) -> None:
         expiries = self._expiries
@@ -216,11 +215,13 @@ class PrefixIndex:
             if self._sources.get((source.replica, source.rank)) is not source:
                 continue  # the replica was cleared meanwhile
             marks = source.provisional_until
-            for key in keys:
-                until = marks.get(key)
-                if until is not None and until <= now:
-                    del marks[key]
-                    self._unmark_provisional(key, source.bit)
+            # Keys marked again since are not due yet; the rest lose the mark and the replica's bit.
+            due = list(itertools.compress(keys, map(now.__ge__, map(marks.get, keys, _NEVER))))
+            _consume(map(marks.pop, due, _NONES))
+            table = self._provisional
+            masks = list(map(operator.and_, map(table.get, due, _ZEROS), itertools.repeat(~source.bit)))
+            table.update(itertools.compress(zip(due, masks, strict=True), masks))
+            _consume(map(table.pop, itertools.compress(due, map(operator.not_, masks)), _NONES))
 
     # ---- budget -------------------------------------------------------------------------------------------
 
