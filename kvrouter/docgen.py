@@ -251,7 +251,9 @@ METRICS_HEADER = """\
 
 Every router instance serves Prometheus metrics at `GET /metrics` (no token). Counters are exposed with the
 `_total` suffix, histograms as `_bucket`, `_sum` and `_count`. The `replica` label is the replica's name from
-replicas.yaml. deploy/grafana/dashboards/kvrouter.json charts them next to the engines' own metrics.
+replicas.yaml. deploy/grafana/dashboards/kvrouter.json charts them next to the engines' own metrics. In Redis mode
+the routers do not read events themselves: `kvrouter relay --metrics-port PORT` serves the event metrics
+(`kvrouter_kv_events_total`, `kvrouter_index_blocks`, ...) for every replica it relays; scrape it too.
 
 The engines' metrics (scrape every vLLM replica's `/metrics` too; the simulator serves the same names) that the
 dashboard uses: `vllm:num_requests_waiting` and `vllm:num_requests_running` (queue and batch),

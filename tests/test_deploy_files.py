@@ -231,7 +231,10 @@ def test_compose_routers_and_relay_agree_with_kvrouter(fleet_name: str) -> None:
         redis_url = namespace.redis_url if name == "relay" else settings.redis_url
         assert redis_url is not None and host_of(redis_url) == "redis" and port_of(redis_url) == redis_port
         assert "redis" in (service.get("depends_on") or {})
-        if name != "relay":
+        if name == "relay":
+            health = " ".join(service["healthcheck"]["test"])
+            assert f"127.0.0.1:{namespace.metrics_port}/metrics" in health
+        else:
             assert settings.host == "0.0.0.0"
             health = " ".join(service["healthcheck"]["test"])
             assert f"127.0.0.1:{settings.port}/ready" in health
@@ -314,6 +317,10 @@ def test_prometheus_scrapes_routers_and_every_replica() -> None:
     router_targets = {t for group in jobs["kvrouter"]["static_configs"] for t in group["targets"]}
     assert router_targets == {
         f"{name}:{settings_from_env(compose_environment(compose['services'][name])).port}" for name in ROUTER_SERVICES
+    }
+    _, relay = parse_command([str(item) for item in compose["services"]["relay"]["command"]])
+    assert {t for group in jobs["kvrouter-relay"]["static_configs"] for t in group["targets"]} == {
+        f"relay:{relay.metrics_port}"
     }
     engine_targets = {t for group in jobs["vllm"]["static_configs"] for t in group["targets"]}
     for fleet_name in FLEET_FILES:
@@ -459,6 +466,10 @@ def test_k8s_relay_matches_kvrouter() -> None:
     subcommand, namespace = parse_command(args)
     assert subcommand == "relay"
     assert host_of(namespace.redis_url) == "redis"
+    relay = find(manifests, "Deployment", "kvrouter-relay")
+    annotations = relay["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(namespace.metrics_port)
+    assert {"name": "metrics", "containerPort": namespace.metrics_port} in item["ports"]
     mounts = {m["mountPath"] for m in item["volumeMounts"]}
     assert str(Path(namespace.replicas).parent) in mounts
 
