@@ -240,6 +240,7 @@ async def bench(args: argparse.Namespace, replica_port: int, router_port: int, r
         f"  router CPU {cpu_us:.0f} us/request -> {1e6 / cpu_us:.0f} req/s per router process on one core "
         f"(target >= 2000); {os.cpu_count()} cores shared by load generator, router and replica"
     )
+    print(f"  machine load average {os.getloadavg()[0]:.1f} at the end of the run (other work included)")
     return 0 if routed.errors == 0 and direct.errors == 0 else 1
 
 
