@@ -22,12 +22,13 @@ Knobs: `threads` (tokenizer worker threads; HF fast tokenizers release the GIL),
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import threading
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,11 +156,15 @@ class HfPromptTokenizer:
             raise ValueError(f"the tokenizer in {path} is not a fast (Rust) tokenizer")
         self.cache = RenderCache(max_entries=cache_entries, max_chars=cache_chars)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvrouter-tokenizer")
-        self._atomic = {
-            token_id
+        atomic = {
+            token_id: added.content
             for token_id, added in self.tokenizer.added_tokens_decoder.items()
-            if not getattr(added, "rstrip", False) and not getattr(added, "lstrip", False)
+            if not any(getattr(added, flag, False) for flag in ("rstrip", "lstrip", "normalized", "single_word"))
         }
+        self._atomic = frozenset(atomic)
+        # Leftmost-longest, like the tokenizer's own added-token matcher: finds where they split the text.
+        contents = sorted(set(atomic.values()), key=len, reverse=True)
+        self._atomic_text = re.compile("|".join(map(re.escape, contents))) if contents else None
         template = self.tokenizer.chat_template
         self._list_content = isinstance(template, str) and bool(_LIST_CONTENT.search(template))
 
@@ -275,22 +280,22 @@ class HfPromptTokenizer:
         return list(render.ids)
 
     def _tokenize_render(self, text: str, start: int, head_ids: list[int]) -> _Render:
-        """Tokenize text[start:] (text[:start] is known to give `head_ids`) and note the safe boundaries."""
-        encoding = self.tokenizer(text[start:], add_special_tokens=False, return_offsets_mapping=True)
-        tail_ids: list[int] = list(encoding.input_ids)
-        offsets: Sequence[tuple[int, int]] = encoding.offset_mapping
-        atomic = self._atomic
-        boundaries: list[int] = []
-        counts: list[int] = []
+        """Tokenize text[start:] (text[:start] is known to give `head_ids`) and note the safe boundaries.
+
+        A boundary is the end of an added token: the text on either side tokenizes independently. They are found
+        by matching the added tokens' text, paired in order with the added-token ids in the result; if the two
+        disagree in number, the tokenizer's character offsets decide (slower, always right).
+        """
+        tail = text[start:]
+        tail_ids: list[int] = list(self.tokenizer(tail, add_special_tokens=False).input_ids)
+        positions = list(itertools.compress(itertools.count(), map(self._atomic.__contains__, tail_ids)))
+        ends = [] if self._atomic_text is None else [m.end() for m in self._atomic_text.finditer(tail)]
+        if len(ends) != len(positions):
+            offsets = self.tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
+            ends = [offsets[p][1] for p in positions]
         base = len(head_ids)
-        last = len(tail_ids) - 1
-        for position, token_id in enumerate(tail_ids):
-            if token_id in atomic and position < last:
-                end = offsets[position][1]
-                # Safe only when the next token starts exactly here (nothing absorbed between them).
-                if offsets[position + 1][0] == end:
-                    boundaries.append(start + end)
-                    counts.append(base + position + 1)
+        boundaries = [start + end for end in ends]
+        counts = [base + position + 1 for position in positions]
         return _Render(text, head_ids + tail_ids, boundaries, counts)
 
 

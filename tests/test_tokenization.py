@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,17 @@ def test_a_growing_conversation_reuses_the_previous_turn_and_equals_a_fresh_toke
     again = chat(messages=messages[:-1])
     assert tiny.token_ids(again) == [fresh_chat_ids(tiny, again)]
     assert tiny.cache.hits >= 1
+
+
+def test_when_added_token_text_and_ids_disagree_the_offsets_decide(tiny: HfPromptTokenizer) -> None:
+    tiny._atomic_text = re.compile(r"(?!x)x")  # finds nothing, so every render takes the offsets path
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "be brief <|end|> " * 60}]
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"question {turn}\n\n"})
+        request = chat(messages=messages)
+        assert tiny.token_ids(request) == [fresh_chat_ids(tiny, request)]
+        messages.append({"role": "assistant", "content": f" answer {turn} "})
+    assert tiny.cache.partial_hits >= 3
 
 
 def test_sibling_conversations_sharing_a_system_prompt_are_exact(tiny: HfPromptTokenizer) -> None:
