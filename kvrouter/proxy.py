@@ -43,6 +43,7 @@ from kvrouter.streaming import (
     downstream_headers,
     upstream_headers,
 )
+from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class Proxy:
         start: float,
     ) -> web.StreamResponse:
         route = _ROUTES[parsed.endpoint]
-        tried: list[Any] = []
+        tried: list[ReplicaName] = []
         refused: Refused | None = None
         for _attempt in range(self.settings.max_retries + 1):
             candidates = self.replicas.routable(exclude=tried)
@@ -425,7 +426,7 @@ class Proxy:
             request_id,
             forward_authorization=self.settings.forward_authorization,
         )
-        tried: list[Any] = []
+        tried: list[ReplicaName] = []
         for _attempt in range(self.settings.max_retries + 1):
             replica = self.replicas.for_passthrough(exclude=tried)
             if replica is None:
