@@ -35,7 +35,7 @@ from kvrouter.events.ingest import IndexIngest
 from kvrouter.events.wire import WireDecoder
 from kvrouter.index import PrefixIndex
 from kvrouter.openai_request import ParsedRequest, parse_request
-from kvrouter.tokenization import HfPromptTokenizer
+from kvrouter.tokenization import HfPromptTokenizer, RenderCache
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
 
 BLOCK = 16
@@ -93,12 +93,12 @@ def bench_tokenization(path: Path, repeat: int) -> None:
 
         cold_samples, next_samples, repeat_samples = [], [], []
         for _ in range(repeat):
-            fresh = HfPromptTokenizer(path, threads=1)
-            cold_samples += timed(partial(tokenize, fresh), 1)
-            fresh = HfPromptTokenizer(path, threads=1)
-            fresh.token_ids(previous)
-            next_samples += timed(partial(tokenize, fresh), 1)
-            repeat_samples += timed(partial(tokenize, fresh), 1)
+            probe.cache = RenderCache()  # a conversation never seen
+            cold_samples += timed(partial(tokenize, probe), 1)
+            probe.cache = RenderCache()
+            probe.token_ids(previous)  # the previous turn was tokenized when it was routed
+            next_samples += timed(partial(tokenize, probe), 1)
+            repeat_samples += timed(partial(tokenize, probe), 1)
         base = timed(baseline, repeat)
         print(
             f"{tokens:>8} {median_us(cold_samples) / 1e3:>9.2f} {median_us(next_samples) / 1e3:>10.2f} "
