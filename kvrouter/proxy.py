@@ -192,9 +192,11 @@ class Proxy:
             chosen = decision.score_of(decision.chosen)
             predicted = chosen.cached_tokens if chosen is not None else 0
             tried.append(replica.name)
+            replica.begin_attempt()
             try:
                 outcome = await self._forward(request, raw, route, replica, ticket, predicted, request_id, start)
             finally:
+                replica.end_attempt()
                 self.load.finish(ticket)
             if not isinstance(outcome, Refused):
                 return outcome

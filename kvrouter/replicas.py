@@ -3,9 +3,10 @@
 Each `ReplicaState` has a breaker fed by both paths — the proxy reports connect errors and 5xx answers
 (`record_failure`) and successes (`record_success`), and the prober does the same for every /health probe.
 `breaker_failures` consecutive failures open the breaker for `breaker_backoff_s`, doubling on every re-open up
-to `breaker_backoff_max_s`; once the back-off has passed the replica is half-open (routable again) and the
-next success closes it, the next failure re-opens it with a longer back-off. 429 answers are overload, not
-ill health, and do not count. The clock is a parameter so tests move time by hand.
+to `breaker_backoff_max_s`; once the back-off has passed the replica is half-open: routable for one trial
+request at a time (`begin_attempt`), whose success closes the breaker and whose failure re-opens it with a
+longer back-off, so a replica coming back is not flooded before it has proven itself; a probe is a trial
+too. 429 answers are overload, not ill health, and do not count. The clock is a parameter so tests move time by hand.
 
 `ReplicaSet.run_probes` and `ReplicaSet.run_scrapes` are the background loops (started from the app factory's
 cleanup context). The scrape reads vLLM's Prometheus text once per `metrics_interval_s` and feeds
@@ -61,6 +62,7 @@ class ReplicaState:
         self.opens = 0
         self.open_until = 0.0
         self._open = False
+        self._trial = False
         self.last_error: str | None = None
         self.last_probe_ok: bool | None = None
 
@@ -72,10 +74,20 @@ class ReplicaState:
 
     @property
     def routable(self) -> bool:
-        return not self._open or self._clock() >= self.open_until
+        return not self._open or (not self._trial and self._clock() >= self.open_until)
+
+    def begin_attempt(self) -> None:
+        """A request is being sent here; when half-open it is the trial and others wait for its verdict."""
+        if self._open:
+            self._trial = True
+
+    def end_attempt(self) -> None:
+        """The attempt ended without a verdict on the replica (the client left): let another trial through."""
+        self._trial = False
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
+        self._trial = False
         if self._open:
             self._open = False
             self.opens = 0
@@ -85,6 +97,7 @@ class ReplicaState:
         """Count one failure; True when this failure opened (or re-opened) the breaker."""
         self.last_error = reason
         self.consecutive_failures += 1
+        self._trial = False
         half_open = self._open and self._clock() >= self.open_until
         if half_open or (not self._open and self.consecutive_failures >= self._breaker.failures):
             self.opens += 1

@@ -194,3 +194,21 @@ async def test_least_loaded_avoids_a_replica_holding_slow_streams(
     await slow.read()
     served = [(await client.post("/v1/chat/completions", json=CHAT)).headers["x-kvrouter-replica"] for _ in range(4)]
     assert sorted(set(served)) == ["r0", "r1"]  # idle again: ties rotate
+
+
+async def test_half_open_replica_gets_one_trial_at_a_time(
+    fake_replicas: ReplicaFactory, make_router: RouterFactory
+) -> None:
+    replicas = await fake_replicas(2)
+    client = await make_router(replicas, breaker_failures=1, breaker_backoff_s=0.2)
+    await replicas[0].stop()
+    await client.post("/v1/chat/completions", json=CHAT)
+    state = client.app[REPLICAS].by_name["r0"]
+    assert not state.routable
+    replicas[0].behaviour.first_delay = 0.3
+    await replicas[0].start()
+    await wait_until(lambda: state.routable)
+    burst = await asyncio.gather(*(client.post("/v1/chat/completions", json=CHAT) for _ in range(6)))
+    assert [r.headers["x-kvrouter-replica"] for r in burst].count("r0") == 1
+    assert all(r.status == 200 for r in burst)
+    assert (await (await client.get("/health")).json())["replicas"]["r0"]["state"] == "closed"

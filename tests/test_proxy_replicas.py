@@ -75,3 +75,20 @@ def test_engine_gauges_older_names_and_absence() -> None:
     gauges = parse_engine_gauges(old)
     assert gauges is not None and (gauges.waiting, gauges.running, gauges.kv_usage) == (2, 0, 0.9)
     assert parse_engine_gauges("python_info 1\n# vllm:num_requests_waiting 3\n") is None
+
+
+def test_half_open_lets_one_trial_through() -> None:
+    clock = Clock()
+    state = replica(clock, failures=1)
+    state.record_failure("down")
+    clock.now = state.open_until
+    assert state.routable
+    state.begin_attempt()
+    assert not state.routable  # others wait for the trial's verdict
+    state.end_attempt()  # the trial's client left: no verdict, another trial may go
+    assert state.routable
+    state.begin_attempt()
+    state.record_success()
+    assert state.state is BreakerState.CLOSED
+    state.begin_attempt()
+    assert state.routable  # closed: no trial bookkeeping
