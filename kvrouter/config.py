@@ -58,6 +58,15 @@ class KvEventsConfig(BaseModel):
             "(or is ipc/inproc) and connects otherwise; when vLLM connects, the router must bind here."
         ),
     )
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description=(
+            "The engine's --data-parallel-size. vLLM publishes (and replays) DP rank r on the tcp ports of "
+            "endpoint and replay_endpoint plus r; the router follows every rank."
+        ),
+    )
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
