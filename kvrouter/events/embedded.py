@@ -76,6 +76,7 @@ class EmbeddedEvents:
             self.apply,
             context=self._context,
             on_problem=self.metrics.count,
+            data_parallel_size=replica.kv_events.data_parallel_size,
             replay_timeout_s=self.replay_timeout_s,
             clock=self.clock,
         )
