@@ -4,12 +4,14 @@ Layout. Every event source — a (replica, data-parallel rank) pair — gets a b
 provisional slot. One dict per tier maps a `BlockKey` to the bitmask of sources holding it there, and each source
 keeps its own engine-hash -> key dict so a `BlockRemoved` (which names only the engine's hash) maps back. The key
 int is shared by both dicts, and masks of up to eight sources are CPython's cached small ints, so a tracked block
-costs two dict slots and two 64-bit ints (measured by loadtest/bench_index.py).
+costs two dict slots and two 64-bit ints: ~140 bytes, less per replica when replicas share blocks (measured by
+loadtest/bench_index.py; see docs/benchmarks.md).
 
-Lookup. `longest_prefixes` maps the request's keys to masks with C-level `map(dict.get)` in growing chunks,
-AND-accumulates them (`itertools.accumulate`), and finds where each source's bit drops out by bisecting the
-non-increasing accumulated masks — so the Python-level work is per replica, not per block, and it stops at the
-first chunk where no source is left. A replica's prefix is the longest over its sources (a request lands on one
+Lookup. `longest_prefixes` maps the request's keys to masks with C-level `map(dict.get)` in growing chunks; a
+chunk whose masks all equal the set of sources still matching costs one `list.count`, otherwise the masks are
+AND-accumulated (`itertools.accumulate`) and each source's drop-out point found by bisecting the non-increasing
+accumulated masks — so the Python-level work is per replica, not per block, and it stops at the first chunk
+where no source is left. A replica's prefix is the longest over its sources (a request lands on one
 DP rank; a block in any tier of that rank counts, `gpu_blocks` counts only GPU and provisional blocks).
 
 Provisional entries (`add_provisional`) mark a routed request's keys on its replica for `provisional_ttl_s`, so
@@ -18,7 +20,8 @@ block real; the mark itself simply lapses at its TTL (dropping it early would cu
 while its tail is still being computed). Expiry is lazy, against the `now` callers pass.
 
 Knobs: `provisional_ttl_s`; `max_blocks` (optional budget of tracked keys: beyond it the least recently stored
-or matched key is evicted from every replica — an evicted block is merely under-predicted).
+or matched key is evicted from every replica, a chain's tail before its head — an evicted block is merely
+under-predicted).
 """
 
 from __future__ import annotations
@@ -114,7 +117,9 @@ class PrefixIndex:
             table.update(zip(keys, itertools.repeat(bit)))  # all new: one C-level update
         else:
             get = table.get
-            for key in keys:
+            # Deepest block first: under a budget, dict order is recency, and a chain must lose its tail before
+            # its head (a head evicted first would strand every block after it).
+            for key in reversed(keys) if budget is not None else keys:
                 mask = get(key)
                 if mask is None:
                     table[key] = bit
@@ -249,7 +254,7 @@ class PrefixIndex:
         for table in self._tiers:
             if not table:
                 continue
-            for key in keys:
+            for key in reversed(keys):
                 mask = table.pop(key, None)
                 if mask is not None:
                     table[key] = mask
