@@ -282,3 +282,46 @@ def test_big_model_prefill_dominates_a_long_prompt() -> None:
     moe = PROFILES["b200x4-moe-1t"]
     assert 0.15 < moe.step_time(8192, 0, 8192, 8192 * 4096) < 0.3  # ~48k prompt tokens/s
     assert 0.012 <= moe.step_time(0, 1, 2000, 0.0) < 0.02
+
+
+# -- lockstep decoding is an optimisation only ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_lockstep_decoding_gives_exactly_the_general_passes(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    block_size = rng.choice([4, 16, 64])
+    config = SchedulerConfig(
+        max_num_seqs=rng.choice([2, 8, 64]),
+        max_num_batched_tokens=rng.choice([64, 512, 8192]),
+        num_blocks=rng.choice([12, 40, 200, 5000]),
+        block_size=block_size,
+    )
+    fast = VllmEngine(config, FixedTiming())
+    slow = VllmEngine(config, FixedTiming())
+    slow.lockstep_enabled = False
+    live: list[str] = []
+    for step in range(3000):
+        if rng.random() < 0.08:
+            rid = f"r{step}"
+            blocks = rng.randrange(1, 8)
+            prompt_len = blocks * block_size + rng.randrange(block_size)
+            shared = rng.randrange(3)
+            labels = [shared * 100 + i for i in range(blocks)]
+            max_tokens = rng.randrange(1, 4 * block_size)
+            if (prompt_len + max_tokens) // block_size + 1 <= config.num_blocks:
+                for eng in (fast, slow):
+                    eng.add(EngineRequest(rid, prompt_len, label_hashes(labels), max_tokens, 0.0))
+                live.append(rid)
+        if live and rng.random() < 0.01:
+            victim = live.pop(rng.randrange(len(live)))
+            fast.abort(victim)
+            slow.abort(victim)
+        if not slow.has_work():
+            assert not fast.has_work()
+            continue
+        a, b = fast.step(0.0), slow.step(0.0)
+        assert a == b, f"pass {step} differs"
+        assert fast.gauges() == slow.gauges()

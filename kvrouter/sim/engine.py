@@ -22,6 +22,7 @@ change); tokens are never materialised unless the request came with token ids.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class SchedulerConfig:
 
 class _Seq:
     __slots__ = (
+        "base",
         "blocks",
         "hashes",
         "label_base",
@@ -58,6 +60,7 @@ class _Seq:
         "num_computed",
         "num_output",
         "num_tokens",
+        "order",
         "preemptions",
         "prompt_len",
         "reported",
@@ -79,6 +82,10 @@ class _Seq:
         self.preemptions = 0
         self.reported = False
         self.label_base = -1
+        self.order = 0
+        """Position in the running batch (admission counter): the order vLLM schedules running requests in."""
+        self.base = 0
+        """Pass at which the counters above were last brought up to date (lockstep decoding defers them)."""
 
     def token_slice(self, start: int, end: int) -> tuple[int, ...] | None:
         """Tokens [start, end) of prompt + output, when the request carries real tokens."""
@@ -120,6 +127,16 @@ class VllmEngine:
         self._seqs: dict[str, _Seq] = {}
         self._queries = 0
         self._hits = 0
+        self._orders = 0
+        # Lockstep decoding: while every running request is decoding, a pass only touches the requests that
+        # reach a block boundary or finish in it (a heap of those passes); the others' counters catch up lazily.
+        self._pass = 0
+        self._lockstep = False
+        self._heap: list[tuple[int, int, _Seq]] = []
+        self._decode_context = 0
+        """Sum of the running requests' computed tokens at the start of the pass (valid in lockstep)."""
+        self._rids: list[str] | None = None
+        self.lockstep_enabled = config.max_num_seqs <= config.max_num_batched_tokens
 
     # -- EngineModel ---------------------------------------------------------------------------------------
 
@@ -142,7 +159,9 @@ class VllmEngine:
         if seq is None:
             return
         if seq in self._running:
+            self._leave_lockstep()
             self._running.remove(seq)
+            self._rids = None
             self._release(seq)
         else:
             self._waiting.remove(seq)
@@ -169,6 +188,11 @@ class VllmEngine:
         )
 
     def step(self, now: float) -> StepResult:
+        if self._lockstep and not (self._waiting and len(self._running) < self.config.max_num_seqs):
+            fast = self._lockstep_step()
+            if fast is not None:
+                return fast
+        self._leave_lockstep()
         result = StepResult(duration=0.0)
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[_Seq, int]] = []
@@ -179,6 +203,9 @@ class VllmEngine:
         result.duration = self._execute(scheduled, result)
         result.events = self.cache.events
         self.cache.events = []
+        self._pass += 1
+        self._rids = None
+        self._enter_lockstep()
         return result
 
     # -- scheduling ----------------------------------------------------------------------------------------
@@ -245,6 +272,8 @@ class VllmEngine:
                 seq.reported = True
                 result.cached_tokens[seq.request.request_id] = hit_tokens
             self._cache_full_blocks(seq, hit_tokens + new)
+            seq.order = self._orders
+            self._orders += 1
             running.append(seq)
             scheduled.append((seq, new))
             budget -= new
@@ -294,6 +323,110 @@ class VllmEngine:
         self.cache.free(seq.blocks, seq.unhashed)
         seq.blocks = []
         seq.unhashed = 0
+
+    # -- lockstep decoding ----------------------------------------------------------------------------------
+
+    def _next_event(self, seq: _Seq) -> int:
+        """The pass (from `seq.base`) in which `seq` next needs a block, fills one, or emits its last token."""
+        computed = seq.num_computed
+        block_size = self.block_size
+        needs_block = -computed % block_size
+        fills_block = -(computed + 1) % block_size
+        last_token = seq.max_tokens - seq.num_output - 1
+        return seq.base + min(needs_block, fills_block, last_token)
+
+    def _enter_lockstep(self) -> None:
+        running = self._running
+        if not self.lockstep_enabled or not running:
+            return
+        for seq in running:
+            if seq.num_output == 0 or seq.num_computed != seq.num_tokens - 1:
+                return  # a prefill is in the batch: passes stay general
+        now = self._pass
+        context = 0
+        heap = []
+        for seq in running:
+            seq.base = now
+            context += seq.num_computed
+            heap.append((self._next_event(seq), seq.order, seq))
+        heapq.heapify(heap)
+        self._heap = heap
+        self._decode_context = context
+        self._lockstep = True
+
+    def _catch_up(self, seq: _Seq) -> None:
+        lag = self._pass - seq.base
+        if lag:
+            seq.num_computed += lag
+            seq.num_tokens += lag
+            seq.num_output += lag
+            seq.base = self._pass
+
+    def _leave_lockstep(self) -> None:
+        if not self._lockstep:
+            return
+        for seq in self._running:
+            self._catch_up(seq)
+        self._heap = []
+        self._lockstep = False
+
+    def _lockstep_step(self) -> StepResult | None:
+        """One all-decode pass touching only the requests with something to do in it; None to go general."""
+        heap = self._heap
+        now = self._pass
+        due: list[_Seq] = []
+        while heap and heap[0][0] == now:
+            due.append(heapq.heappop(heap)[2])
+        block_size = self.block_size
+        cache = self.cache
+        needs = 0
+        for seq in due:
+            self._catch_up(seq)
+            if seq.num_computed + 1 > (len(seq.blocks) + seq.unhashed) * block_size:
+                needs += 1
+        if needs > cache.free_blocks:
+            for seq in due:  # preemption ahead: the general pass handles it
+                heapq.heappush(heap, (now, seq.order, seq))
+            return None
+        running = self._running
+        if self._rids is None:
+            self._rids = [seq.request.request_id for seq in running]
+        result = StepResult(duration=0.0, tokens=list(self._rids))
+        count = len(running)
+        context_after = self._decode_context + count
+        for seq in due:
+            end = seq.num_computed + 1
+            if end > (len(seq.blocks) + seq.unhashed) * block_size:
+                cache.allocate(1)
+                seq.unhashed += 1
+            if end // block_size > len(seq.blocks):
+                self._cache_full_blocks(seq, end)
+        finished_context = 0
+        for seq in due:
+            seq.num_computed += 1
+            seq.num_output += 1
+            seq.num_tokens += 1
+            seq.base = now + 1
+            if seq.num_output >= seq.max_tokens:
+                rid = seq.request.request_id
+                result.finished.append(rid)
+                finished_context += seq.num_computed
+                self._release(seq)
+                del self._seqs[rid]
+                seq.num_computed = -1
+            else:
+                heapq.heappush(heap, (self._next_event(seq), seq.order, seq))
+        if result.finished:
+            self._running = [seq for seq in running if seq.num_computed >= 0]
+            self._rids = None
+        self._decode_context = context_after - finished_context
+        self._pass = now + 1
+        result.duration = self.timing.step_time(0, count, context_after, 0.0)
+        result.events = cache.events
+        cache.events = []
+        if not self._running:
+            self._lockstep = False
+        return result
 
     # -- execution -----------------------------------------------------------------------------------------
 
