@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import cast
 
 import xxhash
 
@@ -42,7 +43,7 @@ def chain_keys(
         return []
     data = array("I", token_ids[: full * block_size]).tobytes()
     step = block_size * 4
-    keys: list[BlockKey] = []
+    keys: list[int] = []
     if parent is None:
         previous = root_material(lora, cache_salt)
     else:
@@ -50,9 +51,9 @@ def chain_keys(
     hasher = xxhash.xxh3_64_intdigest
     for start in range(0, full * step, step):
         key = hasher(previous + data[start : start + step], seed)
-        keys.append(BlockKey(key))
+        keys.append(key)  # not BlockKey(key): calling a NewType costs a Python call per block
         previous = key.to_bytes(8, "little")
-    return keys
+    return cast("list[BlockKey]", keys)
 
 
 def cacheable_tokens(prompt_tokens: int, matched_blocks: int, block_size: int) -> int:
