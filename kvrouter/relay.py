@@ -19,19 +19,22 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import cast
 
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, start_http_server
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from kvrouter.config import ConfigError, FleetConfig, load_fleet
 from kvrouter.events.ingest import IndexIngest
+from kvrouter.events.metrics import EventMetrics
 from kvrouter.events.wire import EventBatch
-from kvrouter.index import PrefixIndex
+from kvrouter.events.zmq_source import ZmqEventSource
 from kvrouter.redisplane.catchup import CatchupError
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, replica_keys
 from kvrouter.redisplane.state import RelayBook
@@ -62,14 +65,18 @@ class Relay:
         clock_ms: Callable[[], int],
         prefix: str = DEFAULT_PREFIX,
         knobs: RelayKnobs | None = None,
+        metrics: EventMetrics | None = None,
     ) -> None:
         self.redis = redis
+        self.metrics = metrics
         self.knobs = knobs or RelayKnobs()
         names = list(replicas)
         self.book = RelayBook(names)
         block_sizes = {r.replica: fleet.block_size_of(r) for r in fleet.replicas if r.replica in self.book.states}
-        # The ingest is typed for the router's index; the book has the same event methods (see redisplane.state).
-        self.ingest = IndexIngest(cast(PrefixIndex, self.book), block_sizes=block_sizes, seed=fleet.hash_seed)
+        self.ingest = IndexIngest(
+            self.book, block_sizes=block_sizes, seed=fleet.hash_seed, on_event=metrics.count if metrics else None
+        )
+        self.sources: dict[ReplicaName, ZmqEventSource] = {}
         self.writers = {
             name: ReplicaWriter(
                 redis,
@@ -81,25 +88,29 @@ class Relay:
             )
             for name in names
         }
-        self.engine_seq: dict[ReplicaName, int] = dict.fromkeys(names, -1)
+        self.engine_seqs: dict[ReplicaName, dict[int, int]] = {name: {} for name in names}
         self.accepted = 0
         self.redis_up = False
         self.opened = False
         self._dirty: set[ReplicaName] = set()
         self._wake = asyncio.Event()
 
-    async def open(self) -> dict[ReplicaName, int | None]:
-        """Read every replica's state back from Redis; the engine sequence number each one resumes after."""
-        resume: dict[ReplicaName, int | None] = {}
+    async def open(self) -> dict[ReplicaName, dict[int, int]]:
+        """Read every replica's state back from Redis; the last engine sequence number per replica and DP rank
+        (empty when Redis held nothing usable for the replica)."""
+        resume: dict[ReplicaName, dict[int, int]] = {}
         for name, writer in self.writers.items():
-            seq = await writer.open()
-            resume[name] = seq
-            if seq is not None:
-                self.engine_seq[name] = seq
+            seqs = await writer.open()
+            resume[name] = seqs or {}
+            self.engine_seqs[name] = dict(seqs or {})
             self._dirty.add(name)
         self.redis_up = True
         self.opened = True
         return resume
+
+    def count_problem(self, replica: str, kind: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count(replica, kind, reason)
 
     def settled(self) -> bool:
         """Everything accepted so far is in Redis."""
@@ -111,14 +122,10 @@ class Relay:
         if replica not in self.writers:
             return
         self.ingest.apply(batch)
-        self.engine_seq[replica] = batch.seq
+        self.engine_seqs[replica][batch.dp_rank] = batch.seq
+        if self.metrics is not None:
+            self.metrics.index_blocks.labels(replica).set(len(self.book[replica]))
         self.accepted += 1
-        self._dirty.add(replica)
-        self._wake.set()
-
-    def restart_seen(self, replica: ReplicaName) -> None:
-        """The source saw the engine restart: its old blocks are gone; a new epoch tells every router."""
-        self.book.clear(replica)
         self._dirty.add(replica)
         self._wake.set()
 
@@ -128,7 +135,7 @@ class Relay:
         failed: BaseException | None = None
         for name in dirty:
             try:
-                await self.writers[name].flush(self.engine_seq[name])
+                await self.writers[name].flush(self.engine_seqs[name])
             except (RedisError, OSError) as error:
                 self._dirty.add(name)
                 failed = error
@@ -183,6 +190,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--snapshot-ratio", type=float, default=0.5, help="snapshot when blocks touched reach this × state size"
     )
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics server")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -212,12 +221,71 @@ def run(args: argparse.Namespace) -> int:
         verify_interval_s=args.verify_interval,
         writer=WriterKnobs(snapshot_ratio=args.snapshot_ratio),
     )
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_main(args.redis_url, fleet, replicas, args.key_prefix, knobs))
+    registry = CollectorRegistry(auto_describe=True)
+    metrics = EventMetrics(registry)
+    if args.metrics_port is not None:
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
+    redis = Redis.from_url(args.redis_url, socket_timeout=10.0, socket_connect_timeout=2.0, protocol=2)
+    relay = Relay(
+        redis,
+        fleet,
+        replicas,
+        clock_ms=lambda: time.time_ns() // 1_000_000,
+        prefix=args.key_prefix,
+        knobs=knobs,
+        metrics=metrics,
+    )
+    with asyncio.Runner() as runner:
+        runner.run(_serve(relay, fleet))
     return 0
 
 
-async def _main(url: str, fleet: FleetConfig, replicas: list[ReplicaName], prefix: str, knobs: RelayKnobs) -> None:
-    redis = Redis.from_url(url, socket_timeout=10.0, socket_connect_timeout=2.0, protocol=2)
-    Relay(redis, fleet, replicas, clock_ms=lambda: time.time_ns() // 1_000_000, prefix=prefix, knobs=knobs)
-    raise NotImplementedError("the ZMQ sources are wired in once kvrouter.events provides them")
+async def _serve(relay: Relay, fleet: FleetConfig) -> None:
+    """Run until SIGTERM/SIGINT; then one last flush so what was applied reaches Redis."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    context = zmq.asyncio.Context()
+    task = asyncio.create_task(serve_relay(relay, fleet, context=context))
+    await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    with contextlib.suppress(RedisError, OSError):
+        await asyncio.wait_for(relay.flush(), 5.0)
+    context.destroy(linger=0)
+    await relay.redis.aclose()
+
+
+async def serve_relay(relay: Relay, fleet: FleetConfig, *, context: zmq.asyncio.Context) -> None:
+    """Read the state back (retrying until Redis answers), then follow every replica's publisher; until cancelled.
+
+    Each source starts from the sequence numbers Redis holds, so its first message reveals the gap since the
+    relay stopped and the engine's replay socket fills it.
+    """
+    delay = relay.knobs.backoff_initial_s
+    while not relay.opened:
+        try:
+            await relay.open()
+        except (RedisError, OSError, CatchupError) as error:
+            log.warning("relay: cannot read the state back from Redis (%s); retrying", error)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, relay.knobs.backoff_max_s)
+    by_name = {r.replica: r for r in fleet.replicas}
+    tasks = [asyncio.create_task(relay.run(), name="kvrouter-relay-writer")]
+    for name in relay.writers:
+        events = by_name[name].kv_events
+        assert events is not None
+        source = ZmqEventSource(name, events, relay.accept, context=context, on_problem=relay.count_problem)
+        for rank, seq in relay.engine_seqs[name].items():
+            source.tracker.delivered(rank, seq)
+        relay.sources[name] = source
+        tasks.append(asyncio.create_task(source.run(), name=f"kvrouter-relay-source-{name}"))
+        log.info("relay: following %s at %s (resuming after %s)", name, events.endpoint, relay.engine_seqs[name])
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -3,14 +3,18 @@ comparable view of a prefix index."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 
 from kvrouter.index import PrefixIndex
 from kvrouter.typedefs import EngineBlockHash, ReplicaName
@@ -84,3 +88,51 @@ def index_view(index: PrefixIndex, replicas: Iterable[ReplicaName], hashes: Iter
     for replica in replicas:
         view[replica] = {h: index.key_of(replica, EngineBlockHash(h)) for h in hash_list}
     return view
+
+
+class FramePublisher:
+    """A vLLM-style publisher of raw payloads: PUB ``[topic, seq, payload]`` and a ROUTER replay socket that
+    answers ``[b"", seq]`` with every buffered message from `seq` on, then the end marker (seq 2**64-1)."""
+
+    def __init__(self, context: zmq.asyncio.Context, *, topic: bytes = b"kv-events", buffer: int = 10_000) -> None:
+        self.context = context
+        self.topic = topic
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
+        self.next_seq = 0
+        self.pub = context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.replay = context.socket(zmq.ROUTER)
+        self.replay.setsockopt(zmq.LINGER, 0)
+        self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.replay_port = self.replay.bind_to_random_port("tcp://127.0.0.1")
+        self.task = asyncio.create_task(self._serve_replay())
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.pub_port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    def publish(self, payload: bytes) -> None:
+        seq = self.next_seq
+        self.next_seq += 1
+        self.buffer.append((seq, payload))
+        self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+
+    async def _serve_replay(self) -> None:
+        while True:
+            frames = await self.replay.recv_multipart()
+            identity, start = frames[0], int.from_bytes(frames[-1], "big")
+            for seq, payload in list(self.buffer):
+                if seq >= start:
+                    await self.replay.send_multipart([identity, b"", self.topic, seq.to_bytes(8, "big"), payload])
+            await self.replay.send_multipart([identity, b"", b"", ((1 << 64) - 1).to_bytes(8, "big"), b""])
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.pub.close(linger=0)
+        self.replay.close(linger=0)

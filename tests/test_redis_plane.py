@@ -312,7 +312,7 @@ async def test_relay_restart_reads_its_state_back_and_resumes_the_engine_sequenc
     expected = relay_view(relay, feeder.hashes)
     position = relay.writers[SYN1].position
     again, redis2 = await new_relay(redis_server)
-    assert again.engine_seq[SYN1] == 119
+    assert again.engine_seqs[SYN1] == {0: 119}
     assert relay_view(again, feeder.hashes) == expected
     assert again.writers[SYN1].position == position  # no new epoch: routers need not reload
     await redis.aclose()

@@ -24,7 +24,7 @@ class CatchupError(Exception):
 @dataclass(slots=True)
 class Catchup:
     position: Position
-    engine_seq: int
+    engine_seqs: dict[int, int]
     hash_seed: int
     ops: list[Op]
     """The snapshot's blocks first, then every op of the entries since, in order."""
@@ -47,7 +47,7 @@ async def read_replica(
         snapshot = codec.snapshot(cast(bytes, blob))
         position = Position(snapshot.epoch, snapshot.n)
         ops: list[Op] = list(snapshot.blocks)
-        engine_seq = snapshot.engine_seq
+        engine_seqs = snapshot.engine_seqs
         entries_read = 0
         stream_blocks = 0
         complete = True
@@ -64,7 +64,7 @@ async def read_replica(
                 entry = codec.entry(fields[b"e"])
                 ops.extend(entry.ops)
                 stream_blocks += sum(op.count for op in entry.ops)
-                engine_seq = entry.engine_seq
+                engine_seqs = entry.engine_seqs
                 position = following
                 entries_read += 1
             if not complete or len(batch) < chunk:
@@ -72,7 +72,7 @@ async def read_replica(
         if complete:
             return Catchup(
                 position,
-                engine_seq,
+                engine_seqs,
                 snapshot.hash_seed,
                 ops,
                 sum(block.count for block in snapshot.blocks),

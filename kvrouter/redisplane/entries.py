@@ -82,9 +82,10 @@ Op = Stored | Removed | Cleared
 
 
 class Entry(msgspec.Struct, array_like=True, frozen=True):
-    """One stream entry: the ops of one or more engine batches, up to engine sequence number `engine_seq`."""
+    """One stream entry: the ops of one or more engine batches; `engine_seqs` is the last sequence number
+    applied per data-parallel rank (where a restarted relay resumes)."""
 
-    engine_seq: int
+    engine_seqs: dict[int, int]
     ops: list[Op]
 
 
@@ -94,7 +95,7 @@ class Snapshot(msgspec.Struct, array_like=True, frozen=True):
     version: int
     epoch: int
     n: int
-    engine_seq: int
+    engine_seqs: dict[int, int]
     hash_seed: int
     blocks: list[Stored]
 

@@ -110,7 +110,7 @@ class ReplicaWriter:
         self.knobs = knobs or WriterKnobs()
         self.codec = EntryCodec()
         self.position: Position | None = None
-        self.engine_seq = -1
+        self.engine_seqs: dict[int, int] = {}
         self.stats = WriterStats()
         self._unwritten: list[bytes] = []
         self._unwritten_blocks = 0
@@ -120,8 +120,8 @@ class ReplicaWriter:
         self._snapshot = redis.register_script(_SNAPSHOT)
         self._create = redis.register_script(_CREATE)
 
-    async def open(self) -> int | None:
-        """Load what Redis holds for this replica into the state; the engine sequence number to resume after.
+    async def open(self) -> dict[int, int] | None:
+        """Load what Redis holds for this replica into the state; the last engine sequence number per DP rank.
 
         Returns None (and plans a new epoch) when Redis has nothing usable: no keys, or another hash seed.
         """
@@ -135,10 +135,10 @@ class ReplicaWriter:
             return None
         self.state.load(catchup.ops)
         self.position = catchup.position
-        self.engine_seq = catchup.engine_seq
+        self.engine_seqs = dict(catchup.engine_seqs)
         self._since_snapshot = catchup.stream_blocks
         self._rebuild = False
-        return catchup.engine_seq
+        return dict(catchup.engine_seqs)
 
     def settled(self) -> bool:
         """Nothing recorded or encoded is waiting to be written."""
@@ -164,10 +164,10 @@ class ReplicaWriter:
             return False
         return True
 
-    async def flush(self, engine_seq: int) -> None:
-        """Write every pending op (entries up to engine sequence number `engine_seq`). Raises on I/O errors;
-        nothing is lost then: the next flush retries."""
-        self.engine_seq = engine_seq
+    async def flush(self, engine_seqs: dict[int, int]) -> None:
+        """Write every pending op; `engine_seqs` is the last engine sequence number applied per DP rank.
+        Raises on I/O errors; nothing is lost then: the next flush retries."""
+        self.engine_seqs = dict(engine_seqs)
         if self.state.cleared:
             self.state.cleared = False
             self._rebuild = True
@@ -198,7 +198,7 @@ class ReplicaWriter:
             self.new_epoch()
 
     def _queue(self, ops: list[Op], weight: int) -> None:
-        self._unwritten.append(self.codec.encode(Entry(self.engine_seq, ops)))
+        self._unwritten.append(self.codec.encode(Entry(self.engine_seqs, ops)))
         self._unwritten_blocks += weight
 
     async def _write_unwritten(self) -> None:
@@ -206,7 +206,7 @@ class ReplicaWriter:
         try:
             n = await self._append(
                 keys=[self.keys.meta, self.keys.stream],
-                args=[self.position.epoch, self.position.n, self.engine_seq, self.clock_ms(), *self._unwritten],
+                args=[self.position.epoch, self.position.n, self._seqs_text(), self.clock_ms(), *self._unwritten],
             )
         except ResponseError as error:
             if "STALE" not in str(error):
@@ -246,12 +246,12 @@ class ReplicaWriter:
         self.state.take_pending()
         self._unwritten.clear()
         self._unwritten_blocks = 0
-        marker = self.codec.encode(Entry(self.engine_seq, [Cleared(None)]))
+        marker = self.codec.encode(Entry(self.engine_seqs, [Cleared(None)]))
         await self._create(
             keys=[self.keys.meta, self.keys.stream, self.keys.snapshot],
             args=[
                 position.epoch,
-                self.engine_seq,
+                self._seqs_text(),
                 self._snapshot_blob(position),
                 self.clock_ms(),
                 self.hash_seed,
@@ -264,13 +264,17 @@ class ReplicaWriter:
         self.stats.epochs += 1
         self.stats.snapshots += 1
 
+    def _seqs_text(self) -> str:
+        """The meta hash's human-readable ``engine_seq`` ("rank:seq ..."); readers use the entries' own."""
+        return " ".join(f"{rank}:{seq}" for rank, seq in sorted(self.engine_seqs.items()))
+
     def _snapshot_blob(self, position: Position) -> bytes:
         return self.codec.encode(
             Snapshot(
                 SNAPSHOT_VERSION,
                 position.epoch,
                 position.n,
-                self.engine_seq,
+                self.engine_seqs,
                 self.hash_seed,
                 self.state.snapshot_blocks(),
             )

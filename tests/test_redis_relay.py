@@ -1,0 +1,184 @@
+"""`kvrouter relay` as a real process: vLLM-style publishers -> relay -> redis-server -> a router's index.
+
+The relay is killed (SIGKILL) mid-stream and started again; the engines keep publishing meanwhile, and their
+replay sockets fill the gap, so the router ends with exactly the index a router fed directly would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+import zmq.asyncio
+
+from kvrouter.events.ingest import IndexIngest
+from kvrouter.events.wire import WireDecoder, split_frames
+from kvrouter.index import PrefixIndex
+from kvrouter.redisplane.follower import FollowerKnobs, RedisFollower, connect_redis
+from kvrouter.typedefs import ReplicaName
+from tests.redis_fixtures import RedisServer, redis_server
+from tests.redis_plane_support import FramePublisher, SyntheticEngine, fixture_frames, index_view
+
+pytestmark = pytest.mark.redis
+__all__ = ["redis_server"]
+
+REPO = Path(__file__).resolve().parents[1]
+SYN = ReplicaName("syn")
+REAL = ReplicaName("real")
+
+
+class Reference:
+    """What a router fed straight from the engines ends with: the same decoding and ingest, no Redis."""
+
+    def __init__(self) -> None:
+        self.index = PrefixIndex()
+        self.ingest = IndexIngest(self.index, block_sizes={SYN: 16, REAL: 32})
+        self.decoder = WireDecoder()
+        self.seq: dict[str, int] = {}
+        self.hashes: set[int] = set()
+
+    def apply(self, replica: str, payload: bytes) -> None:
+        seq = self.seq.get(replica, -1) + 1
+        self.seq[replica] = seq
+        batch, _ = self.decoder.decode_payload(replica, seq, payload)
+        assert batch is not None
+        for event in batch.events:
+            self.hashes.update(getattr(event, "engine_hashes", ()))
+        self.ingest.apply(batch)
+
+
+class RelayProcess:
+    def __init__(self, replicas_yaml: Path, redis_url: str, log_path: Path) -> None:
+        self.command = [
+            sys.executable, "-m", "kvrouter.cli", "relay",
+            "--replicas", str(replicas_yaml),
+            "--redis-url", redis_url,
+            "--flush-interval", "0.002",
+            "--verify-interval", "0.2",
+        ]
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(self.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self.process = None
+
+
+@pytest.fixture
+def relay_process(tmp_path: Path) -> Iterator[list[RelayProcess]]:
+    made: list[RelayProcess] = []
+    try:
+        yield made
+    finally:
+        for relay in made:
+            relay.kill()
+
+
+async def wait_equal(router: PrefixIndex, reference: Reference, names: list[ReplicaName], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = index_view(router, names, reference.hashes)
+        expected = index_view(reference.index, names, reference.hashes)
+        if got == expected:
+            return
+        if time.monotonic() > deadline:
+            assert got == expected
+        await asyncio.sleep(0.05)
+
+
+async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
+    redis_server: RedisServer, relay_process: list[RelayProcess], tmp_path: Path
+) -> None:
+    context = zmq.asyncio.Context()
+    syn_pub, real_pub = FramePublisher(context), FramePublisher(context)
+    replicas_yaml = tmp_path / "replicas.yaml"
+    replicas_yaml.write_text(
+        yaml.safe_dump(
+            {
+                "block_size": 16,
+                "replicas": [
+                    {
+                        "name": name,
+                        "url": "http://127.0.0.1:9",
+                        "block_size": size,
+                        "kv_events": {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint},
+                    }
+                    for name, size, pub in ((SYN, 16, syn_pub), (REAL, 32, real_pub))
+                ],
+            }
+        )
+    )
+    relay = RelayProcess(replicas_yaml, redis_server.url, tmp_path / "relay.log")
+    relay_process.append(relay)
+    names = [SYN, REAL]
+    index = PrefixIndex()
+    follower = RedisFollower(
+        lambda: connect_redis(redis_server.url, block_ms=100),
+        names,
+        index,
+        hash_seed=0,
+        clock=time.monotonic,
+        knobs=FollowerKnobs(block_ms=100, backoff_initial_s=0.05, backoff_max_s=0.2),
+    )
+    follower_task = asyncio.create_task(follower.run())
+    reference = Reference()
+    engine = SyntheticEngine(11, capacity=250)
+    real = [split_frames(m) for m in fixture_frames("s1_basic_bs32")]
+    real_payloads = [parts[2] for parts in real if parts is not None]
+
+    async def publish_syn(count: int) -> None:
+        for _ in range(count):
+            payload = engine.step()
+            syn_pub.publish(payload)
+            reference.apply(SYN, payload)
+            await asyncio.sleep(0.002)
+
+    def publish_real(payloads: list[bytes]) -> None:
+        for payload in payloads:
+            real_pub.publish(payload)
+            reference.apply(REAL, payload)
+
+    try:
+        relay.start()
+        await asyncio.wait_for(follower.loaded.wait(), 15)
+        publish_real(real_payloads[:1])  # before the relay subscribed: replayed when the next one reveals the gap
+        await asyncio.sleep(1.0)
+        await publish_syn(100)
+        publish_real(real_payloads[1:10])
+        await wait_equal(index, reference, names, 15)
+        epoch = follower.replicas[SYN].position.epoch  # type: ignore[union-attr]
+
+        relay.kill()
+        await publish_syn(150)  # the relay is gone; the engines go on (and evict)
+        publish_real(real_payloads[10:])
+        relay.start()
+        await asyncio.sleep(1.0)
+        # The restarted relay's first live message from each engine reveals the gap; replay fills it.
+        await publish_syn(30)
+        publish_real(real_payloads[-1:])
+        await wait_equal(index, reference, names, 20)
+        assert follower.replicas[SYN].position.epoch == epoch  # type: ignore[union-attr]
+        assert index.blocks_of(SYN) == 250
+        assert index.blocks_of(REAL) > 0
+    finally:
+        follower_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower_task
+        await syn_pub.close()
+        await real_pub.close()
+        context.destroy(linger=0)
