@@ -26,7 +26,7 @@ from tests.vllm_support.harness import (
     stop_quietly,
     write_replicas_yaml,
 )
-from tests.vllm_support.server import VllmServer, build_tiny_model, find_vllm_python, start_all
+from tests.vllm_support.server import TOOL_ARGS, VllmServer, build_tiny_model, find_vllm_python, start_all
 
 
 def _required() -> bool:
@@ -63,7 +63,7 @@ def vllm_fleet(vllm_python: Path, tiny_model: Path, vllm_workdir: Path) -> Itera
     servers = [
         VllmServer(
             name, vllm_python, tiny_model, vllm_workdir, cpu=cpu, num_gpu_blocks=NUM_GPU_BLOCKS,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=MAX_MODEL_LEN, extra_args=TOOL_ARGS,
         )
         for cpu, name in enumerate(("vllm-a", "vllm-b"))
     ]  # fmt: skip

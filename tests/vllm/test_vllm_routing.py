@@ -30,6 +30,18 @@ WORDS = (
 )  # fmt: skip
 
 
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "search_documents", "description": "Search the tenant's documents for a phrase.",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "description": "what to look for"},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 50}}, "required": ["query"]}}},
+    {"type": "function", "function": {
+        "name": "run_code", "description": "Run a short Python snippet and return its output.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},
+]  # fmt: skip
+
+
 def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
@@ -77,6 +89,9 @@ def test_predicted_cached_tokens_equal_the_engines_for_a_scripted_sequence(probe
          chat(("system", system), ("user", user1), ("assistant", answer1), ("user", user2)), "vllm-a"),
         ("chat turn 2 straight to vllm-b", CHAT,
          chat(("system", system), ("user", user1), ("assistant", answer1), ("user", user2)), "vllm-b"),
+        ("chat with tools", CHAT, chat(("system", system), ("user", user1), tools=TOOLS), None),
+        ("chat with tools, next turn", CHAT,
+         chat(("system", system), ("user", user1), ("assistant", answer1), ("user", user3), tools=TOOLS), None),
     ]  # fmt: skip
     steps = [probe.send(label, path, body, direct=direct) for label, path, body, direct in script]
     for step in steps:

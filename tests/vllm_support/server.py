@@ -28,6 +28,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DEFAULT_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrouter" / "vllm-venv"
 SERVED_MODEL = "tiny"
+TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
+"""Without these vLLM answers 400 to any request carrying `tools` (tool_choice "auto"); the parser only reads
+the model's output, so one that needs no special tokens suits the tiny model."""
 
 
 def free_port() -> int:
