@@ -13,7 +13,9 @@ Multi-turn reuse: a growing conversation renders to a text that starts with (mos
 The cache keeps recent renders with their ids and the positions right after each added token (added tokens are
 matched before the tokenizer's pre-tokenizer runs, so the text on either side tokenizes independently); a new
 render reuses the ids up to the last such boundary inside the longest shared prefix with a cached render and
-tokenizes only the rest. The result equals tokenizing from scratch (tests check it on every path).
+tokenizes only the rest. Added tokens for which splitting there is not exact on sample texts (overlapping added
+tokens, SentencePiece's "prepend to the first piece") are never used as boundaries. The result equals
+tokenizing from scratch (tests check it on every path).
 
 Knobs: `threads` (tokenizer worker threads; HF fast tokenizers release the GIL), `cache_entries` and
 `cache_chars` (bound the cache). A request that cannot be rendered raises `RequestError` (400).
@@ -160,6 +162,7 @@ class HfPromptTokenizer:
             token_id: added.content
             for token_id, added in self.tokenizer.added_tokens_decoder.items()
             if not any(getattr(added, flag, False) for flag in ("rstrip", "lstrip", "normalized", "single_word"))
+            and self._splits_cleanly(added.content)
         }
         self._atomic = frozenset(atomic)
         # Leftmost-longest, like the tokenizer's own added-token matcher: finds where they split the text.
@@ -167,6 +170,21 @@ class HfPromptTokenizer:
         self._atomic_text = re.compile("|".join(map(re.escape, contents))) if contents else None
         template = self.tokenizer.chat_template
         self._list_content = isinstance(template, str) and bool(_LIST_CONTENT.search(template))
+
+    def _splits_cleanly(self, content: str) -> bool:
+        """Whether text ending right after `content` tokenizes independently of what follows, checked on samples.
+
+        Catches what the token flags do not tell: a longer added token that overlaps this one, or a
+        pre-tokenizer that treats the first piece of an input differently (SentencePiece's "prepend first").
+        """
+        def ids(text: str) -> list[int]:
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+        for before in ("", "a b", "\n"):
+            for after in ("hello", " hello", "\n\nx", "Hello world", "1", "<", "|"):
+                if ids(before + content + after) != ids(before + content) + ids(after):
+                    return False
+        return True
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -158,6 +158,30 @@ def test_when_added_token_text_and_ids_disagree_the_offsets_decide(tiny: HfPromp
     assert tiny.cache.partial_hits >= 3
 
 
+def test_a_tokenizer_that_treats_an_inputs_first_piece_specially_gets_no_unsafe_reuse(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # SentencePiece-style: "▁" is prepended to the first piece of an input only, so "x<|end|>" + "hello" as
+    # two inputs differs from one input; reuse across that boundary would change the ids.
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    core.decoder = decoders.Metaspace(prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "<|end|>", "<|user|>"], show_progress=False)
+    core.train_from_iterator(["hello world, this is the tokenizer", "the quick brown fox jumps"] * 50, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=core, additional_special_tokens=["<|end|>", "<|user|>"])
+    wrapped.chat_template = "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
+    wrapped.save_pretrained(str(tmp_path))
+    tokenizer = HfPromptTokenizer(tmp_path, threads=1)
+    assert tokenizer._atomic == frozenset()
+    messages: list[dict[str, Any]] = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": "hello world the fox " * 40 + str(turn)})
+        request = chat(messages=messages)
+        assert tokenizer.token_ids(request) == [fresh_chat_ids(tokenizer, request)]
+    tokenizer.close()
+
+
 def test_sibling_conversations_sharing_a_system_prompt_are_exact(tiny: HfPromptTokenizer) -> None:
     system = {"role": "system", "content": "You are a careful assistant. " * 40}
     for question in ["What is 2+2?", "What is 2+2?\n", "What", "What is 2+2? Explain.", ""]:
