@@ -130,6 +130,7 @@ async def test_chat_uses_the_chat_template_without_extra_special_tokens(
 
 
 async def test_models_health_reset_and_errors(client: Client) -> None:
+    assert "version" in await (await client.get("/version")).json()
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 4096
     assert (await client.get("/health")).status == 200
@@ -144,6 +145,30 @@ async def test_models_health_reset_and_errors(client: Client) -> None:
     assert (await client.post("/v1/completions", data=b"{nope")).status == 400
     assert (await client.post("/v1/completions", json={"prompt": 5})).status == 400
     assert (await client.post("/v1/chat/completions", json={"messages": []})).status == 400
+
+
+async def test_time_scale_paces_tokens_like_the_profile(aiohttp_client: MakeClient, tokenizer: SimTokenizer) -> None:
+    profile = get_profile("cpu-tiny")
+    scale = 4.0
+    settings = ReplicaSettings(
+        name="t1", model_name="tiny", max_model_len=4096, request_overhead_s=profile.request_overhead_s,
+        time_scale=scale,
+    )  # fmt: skip
+    client = await aiohttp_client(build_replica_app(settings, build_engine(profile, block_size=BLOCK), tokenizer))
+    prompt = list(range(300, 300 + 1000))
+    outputs = 200
+    expected = (
+        profile.request_overhead_s
+        + profile.step_time(1000, 0, 1000, 1000 * 500)
+        + sum(profile.step_time(0, 1, 1000 + i, 0.0) for i in range(1, outputs))
+    ) / scale
+    started = time.monotonic()
+    reply = await (await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": outputs})).json()
+    elapsed = time.monotonic() - started
+    assert reply["usage"]["completion_tokens"] == outputs
+    assert 0.9 * expected <= elapsed <= 2.5 * expected + 0.2, (elapsed, expected)
+    e2e_sum = await metric(client, "vllm:e2e_request_latency_seconds_sum")
+    assert e2e_sum == pytest.approx(elapsed * scale, rel=0.2)  # metrics in simulated seconds
 
 
 async def test_a_client_that_disconnects_is_aborted_in_the_engine(client: Client) -> None:

@@ -2,7 +2,8 @@
 
 Endpoints as vLLM serves them: /v1/completions (a string, token ids, or a batch of either), /v1/chat/completions
 (the tokenizer's chat template), both streaming (SSE, `stream_options.include_usage`) or not, with
-`usage.prompt_tokens_details.cached_tokens`; /v1/models, /health, /tokenize, POST /reset_prefix_cache, /metrics.
+`usage.prompt_tokens_details.cached_tokens`; /v1/models, /health, /version, /tokenize, POST /reset_prefix_cache,
+/metrics. The `model` field is not checked against the served name.
 A request spends the profile's front-end overhead, then its prompts enter the engine; tokens stream back as the
 engine's passes end. Generation always runs to `max_tokens` (the simulator never samples EOS, so `ignore_eos` is
 accepted and changes nothing); without `max_tokens` a request gets `default_max_tokens`, capped by the context
@@ -86,6 +87,7 @@ def build_replica_app(
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/version", _version)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_get("/metrics", _metrics)
@@ -108,6 +110,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 async def _health(request: web.Request) -> web.Response:
     return web.Response(status=200)
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": "0.32.0+kvrouter.sim"})
 
 
 async def _models(request: web.Request) -> web.Response:
