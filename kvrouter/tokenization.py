@@ -77,23 +77,28 @@ class RenderCache:
             self.hits += 1
             return render.ids
 
-    def best_prefix(self, text: str) -> tuple[int, list[int]] | None:
-        """(boundary, ids of text[:boundary]) from the cached render sharing the longest safe prefix."""
+    def best_prefix(self, text: str) -> _Render | None:
+        """The cached render's part (text, ids, boundaries) up to the last safe boundary inside the longest
+        prefix it shares with `text`."""
         with self._lock:
             candidates = [self._entries[t] for t in self._by_head.get(text[:_HEAD_CHARS], ()) if t in self._entries]
-        best: tuple[int, list[int]] | None = None
+        best: tuple[_Render, int] | None = None
         for render in candidates:
             shared = _shared_prefix(render.text, text)
             position = bisect_right(render.boundaries, shared) - 1
-            if position < 0:
-                continue
-            boundary = render.boundaries[position]
-            if best is None or boundary > best[0]:
-                best = (boundary, render.ids[: render.counts[position]])
+            if position >= 0 and (best is None or render.boundaries[position] > best[0].boundaries[best[1]]):
+                best = (render, position)
         with self._lock:
-            if best is not None and best[0] >= _MIN_REUSE_CHARS:
+            if best is not None and best[0].boundaries[best[1]] >= _MIN_REUSE_CHARS:
                 self.partial_hits += 1
-                return best
+                render, position = best
+                boundary = render.boundaries[position]
+                return _Render(
+                    render.text[:boundary],
+                    render.ids[: render.counts[position]],
+                    render.boundaries[: position + 1],
+                    render.counts[: position + 1],
+                )
             self.misses += 1
             return None
 
@@ -288,22 +293,19 @@ class HfPromptTokenizer:
         ids = self.cache.exact(text)
         if ids is not None:
             return list(ids)
-        reused = self.cache.best_prefix(text)
-        if reused is None:
-            render = self._tokenize_render(text, 0, [])
-        else:
-            boundary, head_ids = reused
-            render = self._tokenize_render(text, boundary, head_ids)
+        head = self.cache.best_prefix(text)
+        render = self._tokenize_render(text, head or _Render("", [], [], []))
         self.cache.put(render)
         return list(render.ids)
 
-    def _tokenize_render(self, text: str, start: int, head_ids: list[int]) -> _Render:
-        """Tokenize text[start:] (text[:start] is known to give `head_ids`) and note the safe boundaries.
+    def _tokenize_render(self, text: str, head: _Render) -> _Render:
+        """Tokenize what follows `head` (a known start of `text`) and note the safe boundaries.
 
         A boundary is the end of an added token: the text on either side tokenizes independently. They are found
         by matching the added tokens' text, paired in order with the added-token ids in the result; if the two
         disagree in number, the tokenizer's character offsets decide (slower, always right).
         """
+        start = len(head.text)
         tail = text[start:]
         tail_ids: list[int] = list(self.tokenizer(tail, add_special_tokens=False).input_ids)
         positions = list(itertools.compress(itertools.count(), map(self._atomic.__contains__, tail_ids)))
@@ -311,10 +313,13 @@ class HfPromptTokenizer:
         if len(ends) != len(positions):
             offsets = self.tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
             ends = [offsets[p][1] for p in positions]
-        base = len(head_ids)
-        boundaries = [start + end for end in ends]
-        counts = [base + position + 1 for position in positions]
-        return _Render(text, head_ids + tail_ids, boundaries, counts)
+        base = len(head.ids)
+        return _Render(
+            text,
+            head.ids + tail_ids,
+            head.boundaries + [start + end for end in ends],
+            head.counts + [base + position + 1 for position in positions],
+        )
 
 
 def _tool(tool: object) -> dict[str, Any]:
