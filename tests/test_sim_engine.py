@@ -234,6 +234,20 @@ def test_preemption_recomputes_and_every_request_still_gets_all_its_tokens() -> 
     assert eng.gauges().prefix_queries == 32  # a preempted request's lookups are not counted again
 
 
+def test_a_request_waiting_for_blocks_is_counted_once_in_prefix_stats() -> None:
+    eng = engine(num_blocks=6, block_size=16)
+    eng.add(request("big", 64, 20, 16))  # 4 prompt blocks + 1 for decode
+    eng.step(0.0)
+    eng.add(request("late", 40, 2, 16))  # needs 3 blocks, only 1 free until "big" finishes
+    passes = 0
+    while eng.gauges().num_waiting:
+        eng.step(0.0)
+        passes += 1
+    assert passes > 5
+    run(eng)
+    assert eng.gauges().prefix_queries == 64 + 40
+
+
 def test_abort_frees_blocks() -> None:
     eng = engine(num_blocks=10)
     eng.add(request("a", 100, 50, 16))

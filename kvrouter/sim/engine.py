@@ -7,9 +7,9 @@ One `step(now)` is one scheduler pass as vLLM v1 makes it (FCFS policy, chunked 
    its blocks, the most recently admitted running request is preempted (blocks freed, progress dropped, put back
    at the head of the waiting queue) until it can, or the request preempts itself.
 2. If nothing was preempted, waiting requests are admitted in order while the budget lasts, `max_num_seqs` is
-   not reached and the cache has room: each first looks up its prefix (at most `prompt - 1` tokens, whole blocks;
-   every lookup counts in the prefix-cache query/hit counters, except a preempted request's, as in vLLM's
-   PrefixCacheStats), then gets the remaining tokens up to the budget (chunked prefill).
+   not reached and the cache has room: each first looks up its prefix (at most `prompt - 1` tokens, whole blocks),
+   then gets the remaining tokens up to the budget (chunked prefill). The prefix-cache query/hit counters count a
+   request when it is admitted, except a preempted one coming back (recent vLLM's PrefixCacheStats).
 3. Blocks that become full when scheduled are cached at once (so a request admitted later in the same pass
    already hits them), including blocks filled by generated tokens.
 4. The pass takes `timing.step_time(...)` seconds; every request whose known tokens are all computed emits one
@@ -253,15 +253,15 @@ class VllmEngine:
             seq = waiting[0]
             hits = cache.lookup(seq.hashes, (seq.num_tokens - 1) // block_size)
             hit_tokens = len(hits) * block_size
-            if seq.preemptions == 0:
-                self._queries += seq.num_tokens
-                self._hits += hit_tokens
             new = seq.num_tokens - hit_tokens
             if new > budget:
                 new = budget
             need = _cdiv(hit_tokens + new, block_size) - len(hits)
             if need + cache.evictable(hits) > cache.free_blocks:
                 break
+            if seq.preemptions == 0:
+                self._queries += seq.num_tokens
+                self._hits += hit_tokens
             waiting.popleft()
             cache.touch(hits)
             seq.blocks = hits
