@@ -297,7 +297,10 @@ class PrefixIndex:
             chunk = keys[start : start + size]
             masks = list(map(first.get, chunk, zeros))
             for table in rest:
-                masks = list(map(operator.or_, masks, map(table.get, chunk, zeros)))
+                # Provisional marks and lower tiers are small or absent for most keys: skip the OR when none of
+                # the chunk is there (one cheap probe per key instead of a probe, an OR and a new list).
+                if not table.keys().isdisjoint(chunk):
+                    masks = list(map(operator.or_, masks, map(table.get, chunk, zeros)))
             if start == 0:
                 alive = masks[0]
             if masks.count(alive) == len(masks):
