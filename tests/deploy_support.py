@@ -4,7 +4,9 @@ the Kubernetes manifests and vLLM's command line, so the deploy tests compare th
 from __future__ import annotations
 
 import json
+import random
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,3 +181,22 @@ def host_of(address: str) -> str:
     host = urlsplit(address).hostname
     assert host is not None, address
     return host
+
+
+def free_block(count: int) -> int:
+    """A port p such that p .. p+count-1 are all free on 127.0.0.1 right now."""
+    for _ in range(200):
+        start = random.randrange(20000, 60000 - count)
+        sockets = []
+        try:
+            for port in range(start, start + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return start
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no free port block")

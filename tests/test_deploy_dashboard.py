@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrouter.app import create_app
 from kvrouter.config import load_fleet
 from tests.conftest import router_settings
-from tests.deploy_support import DEPLOY
+from tests.deploy_support import DEPLOY, free_block
 
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kvrouter.json"
 METRIC = re.compile(r"\b(kvrouter_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
@@ -89,25 +87,6 @@ def test_dashboard_shape() -> None:
             assert panel["targets"], panel["title"]
             assert panel["datasource"]["uid"] == "${datasource}"
             assert panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
-
-
-def free_block(count: int) -> int:
-    """A port p such that p .. p+count-1 are all free on 127.0.0.1 right now."""
-    for _ in range(200):
-        start = random.randrange(20000, 60000 - count)
-        sockets = []
-        try:
-            for port in range(start, start + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return start
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError("no free port block")
 
 
 @pytest.fixture(scope="module")

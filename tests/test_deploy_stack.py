@@ -1,0 +1,219 @@
+"""The compose `sim` stack, run as local processes: what deploy/docker-compose.yaml would start, minus Docker.
+
+Each service's own command line and environment are taken from the compose file; only what Docker would provide
+is rewritten — host names become 127.0.0.1, fixed ports become free ones, the image's tokenizer path becomes
+the locally built tiny tokenizer, Redis is a redis-server this test starts. Then: both routers report ready,
+requests sharing a long system prompt sent alternately to the two routers all land on the replica that holds the
+prefix (the routers share one index through the relay and Redis), and a drain sent to one router moves the
+other router's traffic too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from kvrouter.config import load_fleet
+from tests.deploy_support import DEPLOY, compose_environment, free_block, load_compose, services_in
+from tests.redis_fixtures import RedisServer, free_port, redis_server  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+TOKEN = "stack-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+IMAGE_TOKENIZER = "/opt/kvrouter/tiny-tokenizer"
+
+
+def replace_value(command: list[str], flag: str, value: str) -> list[str]:
+    index = command.index(flag)
+    return [*command[: index + 1], value, *command[index + 2 :]]
+
+
+@dataclass
+class Stack:
+    routers: list[str] = field(default_factory=list)
+    relay_metrics: str = ""
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    def start(self, name: str, command: list[str], env: dict[str, str], logs: Path) -> None:
+        log = logs / f"{name}.log"
+        self.logs.append(log)
+        with log.open("wb") as sink:
+            self.processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "kvrouter.cli", *command],
+                    stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                )
+            )
+
+    def check_alive(self) -> None:
+        for process, log in zip(self.processes, self.logs, strict=True):
+            if process.poll() is not None:
+                raise AssertionError(f"{log.stem} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def wait_for(url: str, stack: Stack, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer 200 within {timeout_s:.0f}s")
+
+
+@pytest.fixture
+def sim_stack(redis_server: RedisServer, tmp_path: Path) -> Iterator[Stack]:  # noqa: F811
+    from kvrouter.tinymodel import ensure_tokenizer
+
+    if not redis_mode_follows_events():
+        pytest.skip("this build's routers do not follow KV events through Redis yet")
+    tokenizer = str(ensure_tokenizer())
+    compose = load_compose({"KVROUTER_FLEET": "replicas-sim", "KVROUTER_ADMIN_TOKEN": TOKEN})
+    services = services_in(compose, "sim")
+    fleet = yaml.safe_load((DEPLOY / "replicas-sim.yaml").read_text(encoding="utf-8"))
+    assert fleet["tokenizer"] == IMAGE_TOKENIZER
+    fleet["tokenizer"] = tokenizer
+    stack = Stack()
+    try:
+        for replica in fleet["replicas"]:
+            command = [str(item) for item in services[replica["name"]]["command"]]
+            http = free_port()
+            publish = free_block(2)  # the simulator lays its replay socket next to its publisher
+            replay = publish + 1
+            command = replace_value(command, "--base-port", str(http))
+            command = replace_value(command, "--kv-base-port", str(publish))
+            command = replace_value(command, "--host", "127.0.0.1")
+            command = replace_value(command, "--tokenizer", tokenizer)
+            replica["url"] = f"http://127.0.0.1:{http}"
+            replica["kv_events"]["endpoint"] = f"tcp://127.0.0.1:{publish}"
+            replica["kv_events"]["replay_endpoint"] = f"tcp://127.0.0.1:{replay}"
+            stack.start(replica["name"], command, {}, tmp_path)
+        fleet_file = tmp_path / "replicas-sim.yaml"
+        fleet_file.write_text(yaml.safe_dump(fleet), encoding="utf-8")
+        load_fleet(fleet_file)
+
+        relay = [str(item) for item in services["relay"]["command"]]
+        relay = replace_value(relay, "--replicas", str(fleet_file))
+        relay = replace_value(relay, "--redis-url", redis_server.url)
+        relay_port = free_port()
+        relay = replace_value(relay, "--metrics-port", str(relay_port))
+        stack.start("relay", [*relay, "--metrics-host", "127.0.0.1"], {}, tmp_path)
+        stack.relay_metrics = f"http://127.0.0.1:{relay_port}/metrics"
+
+        for name in ("router-1", "router-2"):
+            service = services[name]
+            env = compose_environment(service)
+            port = free_port()
+            env |= {"KVROUTER_REDIS_URL": redis_server.url, "KVROUTER_PORT": str(port), "KVROUTER_HOST": "127.0.0.1"}
+            # Provisional entries (a router's own just-routed prompts) lapse fast, so what the routers know of
+            # each other's requests can only have come through the relay and Redis.
+            env["KVROUTER_PROVISIONAL_TTL_S"] = "0.2"
+            command = replace_value([str(item) for item in service["command"]], "--replicas", str(fleet_file))
+            stack.start(name, command, env, tmp_path)
+            stack.routers.append(f"http://127.0.0.1:{port}")
+        for replica in fleet["replicas"]:
+            wait_for(f"{replica['url']}/health", stack)
+        for router in stack.routers:
+            wait_for(f"{router}/ready", stack)
+        wait_for(stack.relay_metrics, stack)
+        yield stack
+    finally:
+        stack.stop()
+
+
+SYSTEM = (
+    "You are the assistant of a trading company in Osaka. Answer in polite business Japanese, cite the internal "
+    "catalogue by item number, never promise delivery dates, and escalate complaints to a human. " * 12
+)
+
+
+async def ask(session: aiohttp.ClientSession, router: str, question: str, model: str) -> tuple[str, int]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 4,
+    }
+    async with session.post(f"{router}/v1/chat/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        answer = await response.json()
+        cached = int(((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        return response.headers["x-kvrouter-replica"], cached
+
+
+def redis_mode_follows_events() -> bool:
+    from prometheus_client import CollectorRegistry
+
+    from kvrouter.app import build_prefix_parts
+    from kvrouter.config import Settings, parse_fleet
+    from kvrouter.metrics import RouterMetrics
+
+    fleet = parse_fleet({"replicas": [{"name": "a", "url": "http://127.0.0.1:9"}]}, Path("replicas.yaml"))
+    settings = Settings(redis_url="redis://127.0.0.1:9/0")
+    parts = build_prefix_parts(settings, fleet, RouterMetrics(CollectorRegistry()), time.monotonic)
+    return parts.events is not None
+
+
+async def drain(session: aiohttp.ClientSession, router: str, replica: str, draining: bool) -> None:
+    verb = "drain" if draining else "undrain"
+    async with session.post(f"{router}/admin/replicas/{replica}/{verb}", headers=AUTH) as response:
+        assert response.status == 200
+        assert (await response.json())["shared"] is True
+
+
+async def test_the_compose_sim_stack_routes_as_one(sim_stack: Stack) -> None:
+    model = str(yaml.safe_load((DEPLOY / "replicas-sim.yaml").read_text(encoding="utf-8"))["model"])
+    router_1, router_2 = sim_stack.routers
+    async with aiohttp.ClientSession() as session:
+        # Put the prefix on sim-1 (the replica a tie would not pick) by draining sim-0 for one request.
+        await drain(session, router_1, "sim-0", True)
+        await asyncio.sleep(1.5)  # the drain reaches router-2 through Redis too
+        first, _ = await ask(session, router_1, "question 0", model)
+        assert first == "sim-1"
+        await drain(session, router_2, "sim-0", False)
+        await asyncio.sleep(1.5)  # undrained everywhere; events engine -> relay -> Redis -> routers; TTLs lapsed
+        followers = []
+        for turn in range(1, 7):
+            followers.append(await ask(session, (router_2, router_1)[turn % 2], f"question {turn}", model))
+        assert {replica for replica, _ in followers} == {"sim-1"}, followers
+        assert all(cached > 0 for _, cached in followers), followers
+
+        await drain(session, router_2, "sim-1", True)
+        moved: set[str] = set()
+        for _ in range(40):
+            replica, _ = await ask(session, router_1, "after the drain", model)
+            moved.add(replica)
+            if replica != "sim-1":
+                break
+            await asyncio.sleep(0.1)
+        assert "sim-0" in moved, "router-1 kept routing to the replica drained through router-2"
+        async with session.get(sim_stack.relay_metrics) as response:
+            assert "kvrouter_kv_events_total" in await response.text()
