@@ -213,6 +213,7 @@ class Settings(BaseSettings):
     kv_batch_tokens: int = Field(default=8192, ge=1, description="Prompt tokens an engine pass computes.")
     kv_decode_pass_s: float = Field(default=0.006, ge=0, description="Pass time added when a replica decodes.")
     kv_decode_s_per_request: float = Field(default=0.0005, ge=0, description="Pass time per decoding request.")
+    kv_cache_weight: float = Field(default=4.0, ge=0, description="Worth of a cached token in prefill time saved.")
     kv_waiting_request_tokens: int = Field(
         default=0, ge=0, description="Tokens assumed per engine-reported waiting request this router did not send."
     )

@@ -52,8 +52,21 @@ def test_score_is_an_estimate_in_seconds() -> None:
         RouteRequest(prompt_tokens=5_000), [cand(A, 1_000, pending=6_000)]
     )
     (score,) = decision.candidates
-    assert score.score == pytest.approx((6_000 + 4_000) / 10_000)
+    assert score.breakdown["ttft_estimate_s"] == pytest.approx((6_000 + 4_000) / 10_000)
     assert score.breakdown["prefill_s"] == pytest.approx(1.0)
+    # The score takes off the affinity bonus: 3 more seconds' worth per 10k cached tokens at weight 4.
+    assert score.breakdown["affinity_s"] == pytest.approx(3 * 1_000 / 10_000)
+    assert score.score == pytest.approx(1.0 - 0.3)
+
+
+def test_cache_affinity_weighs_cached_tokens_above_their_prefill_time() -> None:
+    # B's estimate is 0.1 s worse (5k more queued tokens) but it holds 4k cached tokens: weight 1 picks A,
+    # the default weight keeps the request with its cache.
+    request = RouteRequest(prompt_tokens=10_000)
+    candidates = [cand(A, 0, pending=1_000), cand(B, 4_096, pending=10_000)]
+    honest = policy(cache_weight=1.0, decode_pass_s=0.0, decode_s_per_request=0.0).select(request, candidates)
+    assert honest.chosen == A
+    assert policy(decode_pass_s=0.0, decode_s_per_request=0.0).select(request, candidates).chosen == B
 
 
 def test_decode_load_makes_a_replica_slower() -> None:
