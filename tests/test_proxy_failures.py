@@ -128,8 +128,9 @@ async def test_breaker_backoff_doubles_when_the_trial_fails(
     for _ in range(2):
         await client.post("/v1/chat/completions", json=CHAT)
     second_window = state.open_until - time.monotonic()
-    assert 0.1 < first_window <= 0.2
-    assert 0.25 < second_window <= 0.4
+    assert state.opens == 2
+    assert first_window <= 0.2
+    assert 0.2 < second_window <= 0.4  # the back-off doubled (margin for a loaded machine)
 
 
 async def test_active_probe_takes_a_sick_replica_out(fake_replicas: ReplicaFactory, make_router: RouterFactory) -> None:
