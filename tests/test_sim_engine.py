@@ -178,6 +178,17 @@ def test_chunked_prefill_respects_the_token_budget() -> None:
     assert durations == pytest.approx([0.074, 0.074, 0.074, 0.018])
 
 
+def test_a_waiting_request_is_admitted_only_when_its_whole_prompt_fits() -> None:
+    for reserve, admitted in ((True, False), (False, True)):
+        eng = engine(num_blocks=10, block_size=16, max_num_batched_tokens=32, reserve_full_prompt=reserve)
+        eng.add(request("holder", 90, 50, 16))  # 6 blocks once its prompt is in
+        while not eng.step(0.0).first_tokens:
+            pass
+        eng.add(request("long", 100, 1, 16))  # 7 blocks in all; its first 32-token chunk needs 2
+        eng.step(0.0)
+        assert (eng.gauges().num_running == 2) is admitted
+
+
 def test_decoding_requests_take_budget_before_waiting_prefill() -> None:
     eng = engine(max_num_batched_tokens=32)
     eng.add(request("d", 16, 50, 16))

@@ -8,14 +8,16 @@ One `step(now)` is one scheduler pass as vLLM v1 makes it (FCFS policy, chunked 
    at the head of the waiting queue) until it can, or the request preempts itself.
 2. If nothing was preempted, waiting requests are admitted in order while the budget lasts, `max_num_seqs` is
    not reached and the cache has room: each first looks up its prefix (at most `prompt - 1` tokens, whole blocks),
-   then gets the remaining tokens up to the budget (chunked prefill). The prefix-cache query/hit counters count a
+   then gets the remaining tokens up to the budget (chunked prefill); it is admitted only if blocks for its whole
+   prompt are free (`reserve_full_prompt`, vLLM's scheduler_reserve_full_isl). The prefix-cache query/hit counters count a
    request when it is admitted, except a preempted one coming back (recent vLLM's PrefixCacheStats).
 3. Blocks that become full when scheduled are cached at once (so a request admitted later in the same pass
    already hits them), including blocks filled by generated tokens.
 4. The pass takes `timing.step_time(...)` seconds; every request whose known tokens are all computed emits one
    token at its end; a request that reached `max_tokens` finishes and frees its blocks (tail first).
 
-Knobs: `max_num_seqs`, `max_num_batched_tokens`, `num_blocks` and `block_size` (the cache), `timing` (a profile),
+Knobs: `max_num_seqs`, `max_num_batched_tokens`, `reserve_full_prompt`, `num_blocks` and `block_size` (the
+cache), `timing` (a profile),
 `hash_seed` (the root of the engine's own block hashes). Work per pass is O(scheduled requests + blocks that
 change); tokens are never materialised unless the request came with token ids.
 """
@@ -48,6 +50,9 @@ class SchedulerConfig:
     num_blocks: int = 4096
     """Usable KV blocks (vLLM's num_gpu_blocks minus the null block)."""
     block_size: int = 16
+    reserve_full_prompt: bool = True
+    """Admit a waiting request only if its whole prompt fits, not just its first chunk (vLLM's
+    scheduler_reserve_full_isl, on by default in recent versions)."""
 
 
 class _Seq:
@@ -249,6 +254,7 @@ class VllmEngine:
         cache = self.cache
         block_size = self.block_size
         max_seqs = self.config.max_num_seqs
+        reserve_full = self.config.reserve_full_prompt
         while waiting and budget > 0 and len(running) < max_seqs:
             seq = waiting[0]
             hits = cache.lookup(seq.hashes, (seq.num_tokens - 1) // block_size)
@@ -257,7 +263,10 @@ class VllmEngine:
             if new > budget:
                 new = budget
             need = _cdiv(hit_tokens + new, block_size) - len(hits)
-            if need + cache.evictable(hits) > cache.free_blocks:
+            check = need
+            if reserve_full and seq.num_tokens > hit_tokens + new:
+                check = _cdiv(seq.num_tokens, block_size) - len(hits)
+            if check + cache.evictable(hits) > cache.free_blocks:
                 break
             if seq.preemptions == 0:
                 self._queries += seq.num_tokens
