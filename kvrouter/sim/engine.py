@@ -9,8 +9,9 @@ One `step(now)` is one scheduler pass as vLLM v1 makes it (FCFS policy, chunked 
 2. If nothing was preempted, waiting requests are admitted in order while the budget lasts, `max_num_seqs` is
    not reached and the cache has room: each first looks up its prefix (at most `prompt - 1` tokens, whole blocks),
    then gets the remaining tokens up to the budget (chunked prefill); it is admitted only if blocks for its whole
-   prompt are free (`reserve_full_prompt`, vLLM's scheduler_reserve_full_isl). The prefix-cache query/hit counters count a
-   request when it is admitted, except a preempted one coming back (recent vLLM's PrefixCacheStats).
+   prompt are free (`reserve_full_prompt`, vLLM's scheduler_reserve_full_isl). The prefix-cache query/hit
+   counters count a request when it is admitted, except a preempted one coming back (recent vLLM's
+   PrefixCacheStats).
 3. Blocks that become full when scheduled are cached at once (so a request admitted later in the same pass
    already hits them), including blocks filled by generated tokens.
 4. The pass takes `timing.step_time(...)` seconds; every request whose known tokens are all computed emits one
