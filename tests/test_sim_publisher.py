@@ -16,7 +16,7 @@ from kvrouter.sim.engine import SchedulerConfig, VllmEngine
 from kvrouter.sim.hashing import prompt_hashes
 from kvrouter.sim.model import EngineRequest, KvEvent, StoredBlocks
 from kvrouter.sim.profiles import PROFILES
-from kvrouter.sim.publisher import END_SEQ, KvEventPublisher
+from kvrouter.sim.publisher import END_SEQ, KvEventPublisher, encode_payload
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-kv-events"
 RUNS = FIXTURES / "runs"
@@ -179,3 +179,24 @@ async def test_replay_socket_answers_a_dealer_like_vllm(context: zmq.asyncio.Con
         assert replies[3] == real_end
         real_first = [(replay / f"replay_dealer_0000_f{k}.bin").read_bytes() for k in range(3)]
         assert [len(f) for f in replies[0][:3]] == [len(f) for f in real_first]
+
+
+def test_lora_requests_publish_the_adapter_on_every_block_like_vllm() -> None:
+    engine = VllmEngine(SchedulerConfig(num_blocks=16, block_size=4), PROFILES["cpu-tiny"])
+    tokens = list(range(50, 62))
+    base = prompt_hashes(tokens, 4)
+    adapted = prompt_hashes(tokens, 4, lora_name="jp-legal", cache_salt="t")
+    assert not set(base) & set(adapted)
+    engine.add(
+        EngineRequest("l", 12, adapted, 1, 0.0, token_ids=tokens, cache_salt="t", lora_name="jp-legal", lora_id=1)
+    )
+    (stored,) = engine.step(0.0).events
+    wire_event = encode_payload(0.0, [stored])
+    (event,) = msgpack.unpackb(wire_event, raw=False)[1]
+    assert event["lora_name"] == "jp-legal" and event["lora_id"] == 1
+    assert event["extra_keys"] == [["jp-legal", "t"], ["jp-legal"], ["jp-legal"]]
+    wire = pytest.importorskip("kvrouter.events.wire")
+    batch, problems = wire.WireDecoder().decode_payload("sim", 0, wire_event)
+    assert problems == [] and batch is not None
+    (decoded,) = batch.events
+    assert decoded.lora_name == "jp-legal" and decoded.extra_keys == [["jp-legal", "t"], ["jp-legal"], ["jp-legal"]]

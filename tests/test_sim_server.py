@@ -147,6 +147,24 @@ async def test_models_health_reset_and_errors(client: Client) -> None:
     assert (await client.post("/v1/chat/completions", json={"messages": []})).status == 400
 
 
+async def test_lora_adapter_requests_get_their_own_cache(aiohttp_client: MakeClient, tokenizer: SimTokenizer) -> None:
+    settings = ReplicaSettings(name="t2", model_name="tiny", max_model_len=4096, time_scale=20.0, lora_adapters=("jp",))
+    app = build_replica_app(settings, build_engine(get_profile("cpu-tiny"), block_size=BLOCK), tokenizer)
+    client = await aiohttp_client(app)
+    models = await (await client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == ["tiny", "jp"] and models["data"][1]["parent"] == "tiny"
+
+    async def cached(model: str) -> int:
+        body = {"model": model, "prompt": LONG, "max_tokens": 1}
+        reply = await (await client.post("/v1/completions", json=body)).json()
+        return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert await cached("tiny") == 0
+    assert await cached("jp") == 0  # same tokens, different adapter: nothing shared
+    assert await cached("jp") > 0
+    assert await cached("anything-else") > 0  # served by the base model
+
+
 async def test_time_scale_paces_tokens_like_the_profile(aiohttp_client: MakeClient, tokenizer: SimTokenizer) -> None:
     profile = get_profile("cpu-tiny")
     scale = 4.0

@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="Context window (profile's by default).")
     parser.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request omits it.")
     parser.add_argument("--topic", default="kv-events", help="KV-event topic.")
+    parser.add_argument("--lora-adapters", default="", help="Comma-separated LoRA adapter names to serve.")
     parser.add_argument("--hash-seed", type=int, default=0, help="Seed of replica 0's block hashes (+i for i).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -85,14 +86,23 @@ def layouts(count: int, base_port: int, kv_base_port: int | None) -> list[Layout
 
 
 def fleet_document(
-    replicas: list[Layout], *, host: str, block_size: int, tokenizer: Path, model: str, topic: str
+    replicas: list[Layout],
+    *,
+    host: str,
+    block_size: int,
+    tokenizer: Path,
+    model: str,
+    topic: str,
+    lora_adapters: tuple[str, ...] = (),
 ) -> dict[str, object]:
     """The replicas.yaml content for these replicas (what `kvrouter.config.load_fleet` reads)."""
     reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    extra: dict[str, object] = {"lora_adapters": list(lora_adapters)} if lora_adapters else {}
     return {
         "model": model,
         "tokenizer": str(tokenizer.resolve()),
         "block_size": block_size,
+        **extra,
         "replicas": [
             {
                 "name": r.name,
@@ -152,6 +162,7 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
     block_size = args.block_size or profile.block_size
     model_name = args.model_name or profile.name
     max_model_len = args.max_model_len or profile.max_model_len
+    adapters = tuple(name.strip() for name in args.lora_adapters.split(",") if name.strip())
     context = zmq.asyncio.Context()
     runners: list[web.AppRunner] = []
     plan = layouts(args.replicas, args.base_port, args.kv_base_port)
@@ -173,6 +184,7 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
                 time_scale=args.time_scale,
                 hash_seed=seed,
                 default_max_tokens=args.default_max_tokens,
+                lora_adapters=adapters,
             )
             app = build_replica_app(settings, engine, tokenizer, publisher=publisher)
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -183,7 +195,7 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
         if args.write_replicas is not None:
             document = fleet_document(
                 plan, host=args.host, block_size=block_size, tokenizer=Path(tokenizer_dir), model=model_name,
-                topic=args.topic,
+                topic=args.topic, lora_adapters=adapters,
             )  # fmt: skip
             args.write_replicas.parent.mkdir(parents=True, exist_ok=True)
             args.write_replicas.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")

@@ -33,7 +33,7 @@ from hashlib import blake2b
 from typing import Protocol
 
 from kvrouter.sim.cache import PrefixCache
-from kvrouter.sim.hashing import hash_block, hash_label, root_hash
+from kvrouter.sim.hashing import block_extras, hash_block, hash_label, root_hash
 from kvrouter.sim.model import EngineGaugesSnapshot, EngineRequest, KvEvent, StepResult, StoredBlocks
 
 
@@ -310,6 +310,8 @@ class VllmEngine:
                 token_ids=seq.token_slice(first * block_size, full * block_size),
                 block_size=block_size,
                 cache_salt=request.cache_salt if first == 0 else None,
+                lora_name=request.lora_name,
+                lora_id=request.lora_id,
             )
         )
 
@@ -317,7 +319,8 @@ class VllmEngine:
         parent = seq.hashes[index - 1] if index else self._root
         tokens = seq.token_slice(index * self.block_size, (index + 1) * self.block_size)
         if tokens is not None:
-            return hash_block(parent, tokens, seq.request.cache_salt if index == 0 else None)
+            request = seq.request
+            return hash_block(parent, tokens, block_extras(index, request.lora_name, request.cache_salt))
         if seq.label_base < 0:
             digest = blake2b(seq.request.request_id.encode(), digest_size=7).digest()
             seq.label_base = int.from_bytes(digest, "little") << 8

@@ -6,8 +6,9 @@ prefixes, as in vLLM's prefix cache. It is deliberately a different function fro
 and this module lets the simulator judge that independently. `seed` plays the role of vLLM's PYTHONHASHSEED-
 dependent root: two simulated replicas with different seeds publish different hashes for the same tokens.
 
-The cache salt, like vLLM's, is an extra key of the first block only. Blocks without tokens (trace replay, where
-a prompt is a list of block ids) hash an integer label instead of token ids.
+Extra keys follow vLLM: a LoRA adapter's name keys every block of its requests, the cache salt the first block
+only (`block_extras`). Blocks without tokens (trace replay, where a prompt is a list of block ids) hash an integer
+label instead of token ids.
 """
 
 from __future__ import annotations
@@ -25,12 +26,21 @@ def root_hash(seed: int = 0) -> int:
     return int.from_bytes(digest, "little")
 
 
-def hash_block(parent: int, token_ids: Sequence[int], extra: str | None = None) -> int:
+def block_extras(index: int, lora_name: str | None = None, cache_salt: str | None = None) -> tuple[str, ...]:
+    """vLLM's extra hash keys of block `index` of a request: the adapter name on every block, then the salt on
+    the first."""
+    extras: tuple[str, ...] = () if lora_name is None else (lora_name,)
+    if index == 0 and cache_salt is not None:
+        extras += (cache_salt,)
+    return extras
+
+
+def hash_block(parent: int, token_ids: Sequence[int], extras: Sequence[str] = ()) -> int:
     """Hash of one full block chained from `parent` (a block hash or `root_hash`)."""
     hasher = blake2b(parent.to_bytes(8, "little"), digest_size=8)
     hasher.update(array("I", token_ids).tobytes())
-    if extra is not None:
-        hasher.update(b"\x00salt\x00" + extra.encode())
+    for extra in extras:
+        hasher.update(b"\x00extra\x00" + extra.encode())
     return int.from_bytes(hasher.digest(), "little") & _MASK
 
 
@@ -42,14 +52,19 @@ def hash_label(parent: int, label: int) -> int:
 
 
 def prompt_hashes(
-    token_ids: Sequence[int], block_size: int, *, cache_salt: str | None = None, seed: int = 0
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    seed: int = 0,
 ) -> list[int]:
-    """Hashes of every full block of a prompt, prefix-chained; the salt goes into the first block."""
+    """Hashes of every full block of a prompt, prefix-chained, with vLLM's extra keys."""
     hashes: list[int] = []
     parent = root_hash(seed)
     for index in range(len(token_ids) // block_size):
         block = token_ids[index * block_size : (index + 1) * block_size]
-        parent = hash_block(parent, block, cache_salt if index == 0 else None)
+        parent = hash_block(parent, block, block_extras(index, lora_name, cache_salt))
         hashes.append(parent)
     return hashes
 

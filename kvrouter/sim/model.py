@@ -27,6 +27,9 @@ class EngineRequest:
     arrival: float
     token_ids: Sequence[int] | None = None
     cache_salt: str | None = None
+    lora_name: str | None = None
+    """The LoRA adapter serving the request (vLLM keys every block of it by the adapter name)."""
+    lora_id: int | None = None
     output_token_ids: Sequence[int] | None = None
     """The tokens the request will generate, when the driver chose them (the server does); blocks filled during
     decode are hashed over them and BlockStored carries them. Without them such blocks get synthetic hashes."""
@@ -41,6 +44,8 @@ class StoredBlocks:
     cache_salt: str | None = None
     """Set when these blocks start at the prompt's first block and the request had a salt (vLLM puts it in that
     block's `extra_keys`)."""
+    lora_name: str | None = None
+    lora_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

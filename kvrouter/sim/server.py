@@ -3,7 +3,8 @@
 Endpoints as vLLM serves them: /v1/completions (a string, token ids, or a batch of either), /v1/chat/completions
 (the tokenizer's chat template), both streaming (SSE, `stream_options.include_usage`) or not, with
 `usage.prompt_tokens_details.cached_tokens`; /v1/models, /health, /version, /tokenize, POST /reset_prefix_cache,
-/metrics. The `model` field is not checked against the served name.
+/metrics. A request whose `model` names one of `lora_adapters` runs under that adapter (its blocks keyed by it,
+its events carrying it); any other `model` is served by the base model, unchecked.
 A request spends the profile's front-end overhead, then its prompts enter the engine; tokens stream back as the
 engine's passes end. Generation always runs to `max_tokens` (the simulator never samples EOS, so `ignore_eos` is
 accepted and changes nothing); without `max_tokens` a request gets `default_max_tokens`, capped by the context
@@ -40,6 +41,8 @@ class ReplicaSettings:
     time_scale: float = 1.0
     hash_seed: int = 0
     default_max_tokens: int = 256
+    lora_adapters: tuple[str, ...] = ()
+    """LoRA adapter names served besides the base model; a request naming one is keyed by it (vLLM's rule)."""
 
 
 @dataclass(slots=True)
@@ -128,7 +131,8 @@ async def _models(request: web.Request) -> web.Response:
         "parent": None,
         "max_model_len": settings.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [model]})
+    adapters = [{**model, "id": name, "root": name, "parent": settings.model_name} for name in settings.lora_adapters]
+    return web.json_response({"object": "list", "data": [model, *adapters]})
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -250,6 +254,9 @@ async def _generate(
             raise ApiError("'cache_salt' must be a non-empty string")
     except ApiError as error:
         return _error(error)
+    model = body.get("model")
+    lora_name = model if isinstance(model, str) and model in settings.lora_adapters else None
+    lora_id = settings.lora_adapters.index(lora_name) + 1 if lora_name is not None else None
     number = next(replica.ids)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{settings.name}-{number}"
     if settings.request_overhead_s > 0:
@@ -263,11 +270,15 @@ async def _generate(
             engine_request = EngineRequest(
                 request_id=f"{request_id}-{index}",
                 prompt_len=len(ids),
-                block_hashes=prompt_hashes(ids, block_size, cache_salt=salt, seed=settings.hash_seed),
+                block_hashes=prompt_hashes(
+                    ids, block_size, cache_salt=salt, lora_name=lora_name, seed=settings.hash_seed
+                ),
                 max_tokens=max_tokens,
                 arrival=replica.driver.sim_time(),
                 token_ids=ids,
                 cache_salt=salt,
+                lora_name=lora_name,
+                lora_id=lora_id,
                 output_token_ids=outputs,
             )
             item = Tracked(engine_request, index, sink, arrived)
