@@ -36,6 +36,7 @@ from kvrouter.events.metrics import EventMetrics
 from kvrouter.events.wire import EventBatch
 from kvrouter.events.zmq_source import ZmqEventSource
 from kvrouter.redisplane.catchup import CatchupError
+from kvrouter.redisplane.follower import connect_redis
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, replica_keys
 from kvrouter.redisplane.state import RelayBook
 from kvrouter.redisplane.writer import ReplicaWriter, WriterKnobs
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = EventMetrics(registry)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
-    redis = Redis.from_url(args.redis_url, socket_timeout=10.0, socket_connect_timeout=2.0, protocol=2)
+    redis = connect_redis(args.redis_url, socket_timeout_s=10.0)
     relay = Relay(
         redis,
         fleet,

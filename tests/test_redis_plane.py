@@ -138,7 +138,7 @@ async def running(*routers: Router, relay_task: asyncio.Task[None] | None = None
 
 
 async def new_relay(server: RedisServer, fleet: FleetConfig | None = None) -> tuple[Relay, Redis]:
-    redis = Redis.from_url(server.url, socket_timeout=5.0, socket_connect_timeout=1.0, protocol=2)
+    redis = connect_redis(server.url, socket_timeout_s=5.0)
     fleet = fleet or make_fleet()
     relay = Relay(redis, fleet, [r.replica for r in fleet.replicas], clock_ms=clock_ms, knobs=FAST_RELAY)
     await relay.open()

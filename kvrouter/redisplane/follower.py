@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kvrouter.redisplane.catchup import Catchup, CatchupError, read_replica
@@ -93,11 +95,17 @@ class FollowerHealth:
     last_error: str | None
 
 
-def connect_redis(url: str, *, block_ms: int = 1000) -> Redis:
-    """A client for `url` whose read timeout outlasts a blocking XREAD but still notices a silent peer."""
+def connect_redis(url: str, *, block_ms: int = 1000, socket_timeout_s: float | None = None) -> Redis:
+    """A client for `url` whose read timeout outlasts a blocking XREAD but still notices a silent peer.
+
+    No client-side retries: a transparent reconnect would re-issue a blocking XREAD on a Redis that restarted
+    empty, and the follower would never learn that its blocks lost their voucher. The follower and the relay
+    back off and re-check themselves.
+    """
     return Redis.from_url(
         url,
-        socket_timeout=block_ms / 1000 + 5.0,
+        retry=Retry(NoBackoff(), 0),
+        socket_timeout=socket_timeout_s if socket_timeout_s is not None else block_ms / 1000 + 5.0,
         socket_connect_timeout=2.0,
         health_check_interval=30,
         decode_responses=False,
