@@ -138,7 +138,11 @@ class RouterProcess:
                 body = response.json()
                 routable = [r for r in body.get("replicas", {}).values() if r.get("routable", r.get("healthy"))]
                 if response.status == 200 and body.get("status") == "ok" and len(routable) >= replicas:
-                    return
+                    # /ready also covers the event source (in Redis mode: caught up with every replica's state).
+                    ready = http_call("GET", f"{self.url}/ready", timeout=2)
+                    if ready.status in (200, 404):
+                        return
+                    last = f"/ready {ready.status}: {ready.text}"
             except (OSError, ValueError):
                 pass
             time.sleep(0.25)
