@@ -195,8 +195,9 @@ def test_zz_a_replica_restart_clears_its_blocks(probe: CacheProbe, vllm_fleet: d
     held = (900 - 1) // 32 * 32
     assert probe.wait_predicted(COMPLETIONS, prompt, "vllm-b", held) == held
     vllm_fleet["vllm-b"].restart()
+    probe.wait_routable("vllm-b")
     # The restarted engine holds nothing; the router must stop believing it does (within a health probe or so).
-    assert probe.wait_predicted(COMPLETIONS, prompt, "vllm-b", 0, timeout_s=15) == 0
+    assert probe.wait_predicted(COMPLETIONS, prompt, "vllm-b", 0, timeout_s=5) == 0
     after = [
         probe.send("after restart", COMPLETIONS, prompt, direct="vllm-b"),
         probe.send("after restart, again", COMPLETIONS, prompt, direct="vllm-b"),

@@ -258,6 +258,18 @@ class CacheProbe:
             queries_delta=counter(after, "vllm:prefix_cache_queries_total") - queries_before,
         )
 
+    def wait_routable(self, replica: str, timeout_s: float = 60.0) -> None:
+        """Until the router lists `replica` as a routing candidate again (its breaker may hold it out a while)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            body = http_call("GET", f"{self.router_url}/health").json()
+            state = body.get("replicas", {}).get(replica, {})
+            if state.get("routable", state.get("healthy")):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the router does not route to {replica} again after {timeout_s:.0f} s: {state}")
+            time.sleep(0.25)
+
     def wait_predicted(
         self, path: str, body: Mapping[str, Any], replica: str, expected: int, timeout_s: float = 5.0
     ) -> int:
