@@ -121,7 +121,7 @@ def test_simulator_matches_real_vllm_on_cached_tokens_and_median_ttft(
             assert http_call("POST", f"{url}/reset_prefix_cache").status == 200
             # Warm-up on prompts nobody reuses (real vLLM's first requests after a pause run slower).
             for _ in range(2):
-                stream_first_token(url, "/v1/completions", {"prompt": ids(warm, 64), "max_tokens": 1})
+                stream_first_token(url, "/v1/completions", {"prompt": ids(warm, 40), "max_tokens": 1})
         for label, path, body in request_sequence(seed):
             request = {**body, "max_tokens": 1}
             real_ttft, real_usage = stream_first_token(real, path, request)
