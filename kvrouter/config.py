@@ -211,8 +211,8 @@ class Settings(BaseSettings):
     # The kv_aware policy's estimate of each replica's time to first token (kvrouter/policies/kv_aware.py).
     kv_prefill_tokens_per_s: float = Field(default=48_000.0, gt=0, description="A replica's prefill tokens/s.")
     kv_batch_tokens: int = Field(default=8192, ge=1, description="Prompt tokens an engine pass computes.")
-    kv_decode_pass_s: float = Field(default=0.006, ge=0, description="Pass time added when a replica decodes.")
-    kv_decode_s_per_request: float = Field(default=0.0005, ge=0, description="Pass time per decoding request.")
+    kv_decode_pass_s: float = Field(default=0.012, ge=0, description="Pass time added when a replica decodes.")
+    kv_decode_s_per_request: float = Field(default=0.001, ge=0, description="Pass time per decoding request.")
     kv_cache_weight: float = Field(default=4.0, ge=0, description="Worth of a cached token in prefill time saved.")
     kv_waiting_request_tokens: int = Field(
         default=0, ge=0, description="Tokens assumed per engine-reported waiting request this router did not send."

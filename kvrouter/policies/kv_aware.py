@@ -38,8 +38,8 @@ rotation and the per-replica history. The clock is a parameter (the router's: mo
 Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets:
 - `kv_prefill_tokens_per_s` [48000]: a replica's prefill throughput, prompt tokens per second.
 - `kv_batch_tokens` [8192]: prompt tokens one engine pass computes (vLLM's max_num_batched_tokens).
-- `kv_decode_pass_s` [0.006]: fixed cost a pass pays when the replica is decoding anything.
-- `kv_decode_s_per_request` [0.0005]: extra pass time per decoding request there.
+- `kv_decode_pass_s` [0.012]: fixed cost a pass pays when the replica is decoding anything.
+- `kv_decode_s_per_request` [0.001]: extra pass time per decoding request there.
 - `kv_cache_weight` [4.0]: how much a cached token is worth in prefill time saved (1 = exactly its time now).
 - `kv_waiting_request_tokens` [0]: prompt tokens assumed for each request the engine reports waiting beyond the
   ones this router is prefilling there (other routers' traffic; 0 = trust this router's own accounting).
@@ -62,8 +62,8 @@ from kvrouter.typedefs import ReplicaName
 class KvAwareConfig:
     prefill_tokens_per_s: float = 48_000.0
     batch_tokens: int = 8192
-    decode_pass_s: float = 0.006
-    decode_s_per_request: float = 0.0005
+    decode_pass_s: float = 0.012
+    decode_s_per_request: float = 0.001
     waiting_request_tokens: int = 0
     cache_weight: float = 4.0
     hotspot_ratio: float = 2.0
