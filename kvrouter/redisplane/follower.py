@@ -21,9 +21,10 @@ unreachable Redis may hold readiness back before the router serves on load alone
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -32,12 +33,17 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from kvrouter.config import FleetConfig, ReplicaConfig
 from kvrouter.redisplane.catchup import Catchup, CatchupError, read_replica
 from kvrouter.redisplane.entries import EntryCodec, Op, Removed, Stored, unpack_u64
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, Position, ReplicaKeys, replica_keys
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 log = logging.getLogger(__name__)
+
+
+class _Resubscribe(Exception):
+    """The set of followed replicas changed: start a new session (positions are kept)."""
 
 
 class BlockSink(Protocol):
@@ -135,6 +141,7 @@ class RedisFollower:
         self.rng = rng or random.Random()
         self.sleep = sleep
         self.codec = EntryCodec()
+        self.prefix = prefix
         self.replicas = {r: FollowedReplica(replica_keys(r, prefix)) for r in replicas}
         self._by_stream = {f.keys.stream.encode(): f for f in self.replicas.values()}
         self.loaded = asyncio.Event()
@@ -143,6 +150,8 @@ class RedisFollower:
         self.last_error: str | None = None
         self._started = clock()
         self._down_since: float | None = None
+        self._membership_changed = False
+        self._task: asyncio.Task[None] | None = None
 
     # ---- health ---------------------------------------------------------------------------------------------
 
@@ -163,6 +172,29 @@ class RedisFollower:
 
     # ---- the loop -------------------------------------------------------------------------------------------
 
+    async def follow(self, fleet: FleetConfig, replica: ReplicaConfig) -> None:
+        """Start following one more replica (live fleet reload); its state loads in the next session."""
+        if replica.replica not in self.replicas and replica.kv_events is not None:
+            followed = FollowedReplica(replica_keys(replica.replica, self.prefix))
+            self.replicas[replica.replica] = followed
+            self._by_stream[followed.keys.stream.encode()] = followed
+            self._membership_changed = True
+
+    async def unfollow(self, replica: ReplicaName) -> None:
+        followed = self.replicas.pop(replica, None)
+        if followed is not None:
+            self._by_stream.pop(followed.keys.stream.encode(), None)
+            self._drop(followed)
+            self._membership_changed = True
+
+    async def context(self, app: object) -> AsyncIterator[None]:
+        """The application's `cleanup_ctx`: follow while the app runs."""
+        self._task = asyncio.create_task(self.run(), name="kvrouter-redis-events")
+        yield
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
     async def run(self) -> None:
         """Follow until cancelled; never raises on Redis trouble."""
         delay = self.knobs.backoff_initial_s
@@ -170,6 +202,8 @@ class RedisFollower:
             redis = self.connect()
             try:
                 await self._session(redis)
+            except _Resubscribe:
+                continue
             except (RedisError, OSError, CatchupError) as error:
                 self._went_down(error)
             finally:
@@ -195,6 +229,7 @@ class RedisFollower:
                 followed.position = None
 
     async def _session(self, redis: Redis) -> None:
+        self._membership_changed = False
         await redis.ping()
         for followed in self.replicas.values():
             await self._resume_or_reload(redis, followed)
@@ -287,6 +322,8 @@ class RedisFollower:
 
     async def _follow(self, redis: Redis, group: list[FollowedReplica]) -> None:
         while True:
+            if self._membership_changed:
+                raise _Resubscribe
             streams: dict[Any, Any] = {
                 f.keys.stream: f.position.stream_id if f.position is not None else "0-0" for f in group
             }
@@ -297,7 +334,9 @@ class RedisFollower:
                 reply.items() if isinstance(reply, dict) else reply or (),
             )
             for stream, entries in pairs:
-                followed = self._by_stream[stream]
+                followed = self._by_stream.get(stream)
+                if followed is None:
+                    continue
                 for stream_id, fields in entries:
                     position = Position.parse(stream_id)
                     if followed.position is None or not position.follows(followed.position):

@@ -1,0 +1,77 @@
+"""The router's side of the Redis event plane, as the app factory builds it: a follower over the app's prefix
+index, and Prometheus metrics read from the follower's health at scrape time (no second copy of its state).
+
+Metrics: ``kvrouter_redis_events_up`` (1 while Redis answers and the streams are followed),
+``kvrouter_redis_events_loaded`` (1 once every replica's state was loaded: the index is complete),
+``kvrouter_redis_events_failures_total`` (sessions ended by a Redis error), and per replica
+``kvrouter_redis_events_vouched`` (Redis holds state for it), ``kvrouter_redis_events_reloads_total`` and
+``kvrouter_redis_events_entries_total``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvrouter.config import FleetConfig
+from kvrouter.redisplane.follower import BlockSink, RedisFollower, connect_redis
+
+
+class FollowerCollector(Collector):
+    def __init__(self, follower: RedisFollower) -> None:
+        self.follower = follower
+
+    def collect(self) -> Iterator[Metric]:
+        health = self.follower.health()
+        yield GaugeMetricFamily(
+            "kvrouter_redis_events_up", "1 while Redis answers and the event streams are followed.",
+            value=1.0 if health.connected else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "kvrouter_redis_events_loaded", "1 once every replica's state was loaded from Redis (index complete).",
+            value=1.0 if health.loaded else 0.0,
+        )
+        yield CounterMetricFamily(
+            "kvrouter_redis_events_failures", "Follower sessions ended by a Redis error.", value=health.failures
+        )
+        vouched = GaugeMetricFamily(
+            "kvrouter_redis_events_vouched", "1 when Redis holds state for the replica (a relay writes it).",
+            labels=["replica"],
+        )
+        reloads = CounterMetricFamily(
+            "kvrouter_redis_events_reloads", "Full reloads of a replica's state (start, new epoch, gap).",
+            labels=["replica"],
+        )
+        entries = CounterMetricFamily(
+            "kvrouter_redis_events_entries", "Stream entries applied per replica.", labels=["replica"]
+        )
+        for name, followed in self.follower.replicas.items():
+            vouched.add_metric([name], 1.0 if followed.vouched else 0.0)
+            reloads.add_metric([name], followed.reloads)
+            entries.add_metric([name], followed.entries)
+        yield vouched
+        yield reloads
+        yield entries
+
+
+def build_follower(
+    redis_url: str,
+    fleet: FleetConfig,
+    index: BlockSink,
+    registry: CollectorRegistry,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> RedisFollower:
+    follower = RedisFollower(
+        lambda: connect_redis(redis_url),
+        [r.replica for r in fleet.replicas if r.kv_events is not None],
+        index,
+        hash_seed=fleet.hash_seed,
+        clock=clock,
+    )
+    registry.register(FollowerCollector(follower))
+    return follower
