@@ -34,6 +34,7 @@ from kvrouter.load import LoadBook
 from kvrouter.metrics import RouterMetrics
 from kvrouter.policies import build_policy
 from kvrouter.proxy import Proxy
+from kvrouter.redisplane.wiring import build_follower
 from kvrouter.replicas import ReplicaSet
 from kvrouter.routing import PrefixLookup, PromptTokenizer, Router
 from kvrouter.tokenization import HfPromptTokenizer
@@ -87,6 +88,11 @@ def build_prefix_parts(
         events = EmbeddedEvents(fleet, index, metrics.events, clock=clock)
         parts.events = events
         parts.contexts.append(events.context)
+    else:
+        # Relay mode: the events come through Redis (`kvrouter relay`); readiness waits for the index to load.
+        follower = build_follower(settings.redis_url, fleet, index, metrics.registry, clock=clock)
+        parts.events = follower
+        parts.contexts.append(follower.context)
     return parts
 
 
