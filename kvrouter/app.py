@@ -67,7 +67,7 @@ def build_prefix_parts(
     settings: Settings, fleet: FleetConfig, metrics: RouterMetrics, clock: Callable[[], float]
 ) -> PrefixParts:
     """The prefix index, the fleet's tokenizer and the embedded ZMQ ingest of every replica's KV events."""
-    index = PrefixIndex(provisional_ttl_s=settings.provisional_ttl_s)
+    index = PrefixIndex(provisional_ttl_s=settings.provisional_ttl_s, max_blocks=settings.index_max_blocks)
     parts = PrefixParts(index=index)
     if fleet.tokenizer is None:
         log.warning("replicas.yaml names no tokenizer: requests are routed on load only, without prefix matching")

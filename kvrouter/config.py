@@ -207,6 +207,14 @@ class Settings(BaseSettings):
     provisional_ttl_s: float = Field(
         default=5.0, ge=0, description="How long a routed request's blocks count as cached before events confirm."
     )
+    index_max_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Budget of block keys the prefix index tracks (~140 bytes each); beyond it the least recently stored "
+            "or matched keys are evicted. Unset: no budget."
+        ),
+    )
 
     # The kv_aware policy's estimate of each replica's time to first token (kvrouter/policies/kv_aware.py).
     kv_prefill_tokens_per_s: float = Field(default=48_000.0, gt=0, description="A replica's prefill tokens/s.")
