@@ -5,7 +5,7 @@ Settings come from the environment (`KVROUTER_*`) with command-line flags on top
 file or setting, the field and what was expected. The server runs on uvloop with handler cancellation (a client
 that disconnects cancels its request upstream) and shuts down gracefully on SIGTERM/SIGINT: it stops accepting,
 gives in-flight requests `shutdown_grace_s` to finish, then stops background work.
-`--workers` is accepted; this build serves from a single process.
+`--workers N` runs N such processes on the port (SO_REUSEPORT), supervised by this one (`kvrouter.workers`).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ async def serve(
     """Serve `app` until SIGTERM/SIGINT; `ready` gets the bound port (useful with port 0)."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=settings.shutdown_grace_s, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, backlog=2048)
+    site = web.TCPSite(runner, settings.host, settings.port, backlog=2048, reuse_port=settings.workers > 1)
     try:
         await site.start()
     except OSError as error:
@@ -142,10 +142,16 @@ def run(args: argparse.Namespace) -> int:
         )
         # Built before the loop starts so a policy or tokenizer problem is a configuration error (exit 2).
         app = create_app(settings, fleet)
+        if settings.workers > 1:
+            from kvrouter.workers import check_workers
+
+            check_workers(settings, fleet)
     except ConfigError as error:
         print(f"kvrouter: {one_line(str(error))}", file=sys.stderr)
         return 2
     if settings.workers > 1:
-        log.warning("--workers %d requested; this build serves from one process", settings.workers)
+        from kvrouter.workers import run_workers
+
+        return run_workers(settings, fleet)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(serve(app, settings, fleet))
