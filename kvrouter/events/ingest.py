@@ -110,15 +110,18 @@ class IndexIngest:
                 salt = first[0]
             elif first:
                 return "unsupported_extra_keys"
-        if event.parent is None:
-            keys = chain_keys(
-                event.token_ids, block_size, seed=self.seed, lora=event.lora_name, cache_salt=salt
-            )
-        else:
-            parent_key = self.index.key_of(replica, event.parent, dp_rank=rank)
-            if parent_key is None:
-                return "unknown_parent"
-            keys = chain_keys(event.token_ids, block_size, seed=self.seed, parent=parent_key)
+        try:
+            if event.parent is None:
+                keys = chain_keys(
+                    event.token_ids, block_size, seed=self.seed, lora=event.lora_name, cache_salt=salt
+                )
+            else:
+                parent_key = self.index.key_of(replica, event.parent, dp_rank=rank)
+                if parent_key is None:
+                    return "unknown_parent"
+                keys = chain_keys(event.token_ids, block_size, seed=self.seed, parent=parent_key)
+        except OverflowError:
+            return "bad_event"  # a token id outside 0 .. 2**32-1: no engine sends one
         self.index.store_keys(replica, event.engine_hashes, keys, event.tier, dp_rank=rank)
         return "ok"
 
