@@ -290,7 +290,9 @@ def _collectors(registry: CollectorRegistry) -> dict[str, tuple[str, tuple[str, 
     for family in registry.collect():
         kind = family.type
         name = f"{family.name}_total" if kind == "counter" else family.name
-        found[name] = (kind, (), " ".join(family.documentation.split()))
+        # Custom collectors name their labels only on the samples they yield.
+        sample_labels = tuple(label for label in (family.samples[0].labels if family.samples else {}) if label != "le")
+        found[name] = (kind, sample_labels, " ".join(family.documentation.split()))
     # Label names are known before any series exists only to the collectors themselves.
     for collector in list(getattr(registry, "_collector_to_names", {})):
         base = getattr(collector, "_name", None)
