@@ -3,7 +3,8 @@
 Settings come from the environment (`KVROUTER_*`) with command-line flags on top; replicas.yaml is read with
 `load_fleet`. Any bad file or value ends the process with exit code 2 and one line on stderr that names the
 file or setting, the field and what was expected. The server runs on uvloop with handler cancellation (a client
-that disconnects cancels its request upstream) and shuts down gracefully on SIGTERM/SIGINT: it stops accepting,
+that disconnects cancels its request upstream), freezes its start-up heap out of the garbage collector's
+full passes (a tail-latency spike otherwise), and shuts down gracefully on SIGTERM/SIGINT: it stops accepting,
 gives in-flight requests `shutdown_grace_s` to finish, then stops background work.
 `--workers N` runs N such processes on the port (SO_REUSEPORT), supervised by this one (`kvrouter.workers`).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -95,6 +97,10 @@ async def serve(
         await runner.cleanup()
         print(f"kvrouter: cannot listen on {settings.host}:{settings.port}: {error.strerror or error}", file=sys.stderr)
         return 1
+    # Everything built so far (modules, app, tokenizer) lives as long as the process: moving it out of the
+    # collector's view keeps full collections, which would otherwise walk it all, from stalling requests.
+    gc.collect()
+    gc.freeze()
     port = settings.port
     server = getattr(site, "_server", None)
     if server is not None and server.sockets:
