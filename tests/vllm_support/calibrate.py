@@ -235,11 +235,11 @@ def _prefill_steps(new: int, cached: int, budget: int) -> list[tuple[int, int]]:
     return steps
 
 
-def fit_profile(report: dict[str, Any], budget: int = 2048, per_seq: bool = False) -> dict[str, Any]:
+def fit_profile(report: dict[str, Any], budget: int = 2048) -> dict[str, Any]:
     """Least-squares fit of the simulator's step formula to the engine-side timings (relative error weighted).
 
     step = overhead + per_token * (prefill tokens + decoding seqs) + kv_read * context tokens
-           + attention * sum(chunk * (context before + chunk / 2)) [+ per_seq * scheduled sequences]
+           + attention * sum(chunk * (context before + chunk / 2))
     """
     import numpy as np
 
@@ -248,10 +248,10 @@ def fit_profile(report: dict[str, Any], budget: int = 2048, per_seq: bool = Fals
     def prefill_row(new: int, cached: int, ms: float | None, label: str) -> None:
         if ms is None:
             return
-        feature = [0.0, 0.0, 0.0, 0.0, 0.0]
+        feature = [0.0, 0.0, 0.0, 0.0]
         for chunk, before in _prefill_steps(new, cached, budget):
             after = before + chunk
-            step = [1, chunk, after, chunk * (before + chunk / 2), 1]
+            step = [1, chunk, after, chunk * (before + chunk / 2)]
             feature = [a + b for a, b in zip(feature, step, strict=True)]
         rows.append((feature, ms / 1000, label))
 
@@ -267,20 +267,20 @@ def fit_profile(report: dict[str, Any], budget: int = 2048, per_seq: bool = Fals
         context = row["prompt_tokens"] + row["output_tokens"] / 2
         rows.append(
             (
-                [1.0, running, running * context, 0.0, running],
+                [1.0, running, running * context, 0.0],
                 row["server_step_ms"] / 1000,
                 f"decode {running}x{row['prompt_tokens']}",
             )
         )
-    features = np.array([f if per_seq else f[:4] for f, _, _ in rows])
+    features = np.array([f for f, _, _ in rows])
     target = np.array([t for _, t, _ in rows])
     weights = 1 / target
     solution, *_ = np.linalg.lstsq(features * weights[:, None], target * weights, rcond=None)
     solution = np.maximum(solution, 0.0)
     predicted = features @ solution
-    names = ("step_overhead_s", "per_token_s", "kv_read_s_per_token", "attention_s_per_pair", "per_seq_s")
+    names = ("step_overhead_s", "per_token_s", "kv_read_s_per_token", "attention_s_per_pair")
     return {
-        "params": {name: float(f"{value:.4g}") for name, value in zip(names, solution, strict=False)},
+        "params": {name: float(f"{value:.4g}") for name, value in zip(names, solution, strict=True)},
         "residuals": [
             {"row": label, "measured_ms": round(t * 1000, 2), "model_ms": round(p * 1000, 2),
              "error_pct": round((p - t) / t * 100, 1)}
@@ -316,8 +316,7 @@ def main() -> int:
     try:
         report = asyncio.run(calibrate(url, args.seed, args.reps))
         report["fit"] = fit_profile(report)
-        report["fit_per_seq"] = fit_profile(report, per_seq=True)
-        print(json.dumps({"fit": report["fit"]["params"], "fit_per_seq": report["fit_per_seq"]["params"]}))
+        print(json.dumps({"fit": report["fit"]["params"], "request_overhead_s": report["fit"]["request_overhead_s"]}))
     finally:
         if server is not None:
             server.stop()
