@@ -42,38 +42,85 @@ def replace_value(command: list[str], flag: str, value: str) -> list[str]:
 
 
 @dataclass
+class Service:
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
 class Stack:
+    workdir: Path
+    tokenizer: str
+    redis_url: str
+    fleet: dict[str, Any] = field(default_factory=dict)
     routers: list[str] = field(default_factory=list)
     relay_metrics: str = ""
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    logs: list[Path] = field(default_factory=list)
+    relay_command: list[str] = field(default_factory=list)
+    sim_command: list[str] = field(default_factory=list)
+    services: dict[str, Service] = field(default_factory=dict)
 
-    def start(self, name: str, command: list[str], env: dict[str, str], logs: Path) -> None:
-        log = logs / f"{name}.log"
-        self.logs.append(log)
-        with log.open("wb") as sink:
-            self.processes.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "kvrouter.cli", *command],
-                    stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                )
+    @property
+    def fleet_file(self) -> Path:
+        return self.workdir / "replicas-sim.yaml"
+
+    def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
+        log = self.workdir / f"{name}.log"
+        with log.open("ab") as sink:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "kvrouter.cli", *command],
+                stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
             )
+        self.services[name] = Service(process, log)
+
+    def stop_service(self, name: str) -> None:
+        service = self.services.pop(name)
+        if service.process.poll() is None:
+            service.process.terminate()
+        try:
+            service.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            service.process.kill()
+            service.process.wait()
+
+    def add_sim(self, name: str, command: list[str]) -> None:
+        """Start one simulated replica on free ports with `command` (a compose sim service's) and list it."""
+        http = free_port()
+        publish = free_block(2)  # the simulator lays its replay socket next to its publisher
+        command = replace_value(command, "--base-port", str(http))
+        command = replace_value(command, "--kv-base-port", str(publish))
+        command = replace_value(command, "--host", "127.0.0.1")
+        command = replace_value(command, "--tokenizer", self.tokenizer)
+        self.start(name, command)
+        replicas = [r for r in self.fleet["replicas"] if r["name"] != name]
+        replicas.append(
+            {
+                "name": name,
+                "url": f"http://127.0.0.1:{http}",
+                "kv_events": {
+                    "endpoint": f"tcp://127.0.0.1:{publish}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{publish + 1}",
+                    "topic": "kv-events",
+                },
+            }
+        )
+        self.fleet["replicas"] = replicas
+
+    def write_fleet(self) -> None:
+        self.fleet_file.write_text(yaml.safe_dump(self.fleet), encoding="utf-8")
+        load_fleet(self.fleet_file)
+
+    def start_relay(self) -> None:
+        self.start("relay", self.relay_command)
 
     def check_alive(self) -> None:
-        for process, log in zip(self.processes, self.logs, strict=True):
-            if process.poll() is not None:
-                raise AssertionError(f"{log.stem} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        for name, service in self.services.items():
+            if service.process.poll() is not None:
+                tail = service.log.read_text(errors="replace")[-3000:]
+                raise AssertionError(f"{name} exited with {service.process.returncode}:\n{tail}")
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        for name in list(self.services):
+            self.stop_service(name)
 
 
 def wait_for(url: str, stack: Stack, timeout_s: float = 90.0) -> None:
@@ -96,37 +143,24 @@ def sim_stack(redis_server: RedisServer, tmp_path: Path) -> Iterator[Stack]:  # 
 
     if not redis_mode_follows_events():
         pytest.skip("this build's routers do not follow KV events through Redis yet")
-    tokenizer = str(ensure_tokenizer())
     compose = load_compose({"KVROUTER_FLEET": "replicas-sim", "KVROUTER_ADMIN_TOKEN": TOKEN})
     services = services_in(compose, "sim")
     fleet = yaml.safe_load((DEPLOY / "replicas-sim.yaml").read_text(encoding="utf-8"))
     assert fleet["tokenizer"] == IMAGE_TOKENIZER
-    fleet["tokenizer"] = tokenizer
-    stack = Stack()
+    stack = Stack(tmp_path, str(ensure_tokenizer()), redis_server.url)
+    stack.fleet = {**fleet, "tokenizer": stack.tokenizer, "replicas": []}
     try:
         for replica in fleet["replicas"]:
-            command = [str(item) for item in services[replica["name"]]["command"]]
-            http = free_port()
-            publish = free_block(2)  # the simulator lays its replay socket next to its publisher
-            replay = publish + 1
-            command = replace_value(command, "--base-port", str(http))
-            command = replace_value(command, "--kv-base-port", str(publish))
-            command = replace_value(command, "--host", "127.0.0.1")
-            command = replace_value(command, "--tokenizer", tokenizer)
-            replica["url"] = f"http://127.0.0.1:{http}"
-            replica["kv_events"]["endpoint"] = f"tcp://127.0.0.1:{publish}"
-            replica["kv_events"]["replay_endpoint"] = f"tcp://127.0.0.1:{replay}"
-            stack.start(replica["name"], command, {}, tmp_path)
-        fleet_file = tmp_path / "replicas-sim.yaml"
-        fleet_file.write_text(yaml.safe_dump(fleet), encoding="utf-8")
-        load_fleet(fleet_file)
+            stack.sim_command = [str(item) for item in services[replica["name"]]["command"]]
+            stack.add_sim(replica["name"], stack.sim_command)
+        stack.write_fleet()
 
         relay = [str(item) for item in services["relay"]["command"]]
-        relay = replace_value(relay, "--replicas", str(fleet_file))
+        relay = replace_value(relay, "--replicas", str(stack.fleet_file))
         relay = replace_value(relay, "--redis-url", redis_server.url)
         relay_port = free_port()
-        relay = replace_value(relay, "--metrics-port", str(relay_port))
-        stack.start("relay", [*relay, "--metrics-host", "127.0.0.1"], {}, tmp_path)
+        stack.relay_command = [*replace_value(relay, "--metrics-port", str(relay_port)), "--metrics-host", "127.0.0.1"]
+        stack.start_relay()
         stack.relay_metrics = f"http://127.0.0.1:{relay_port}/metrics"
 
         for name in ("router-1", "router-2"):
@@ -137,10 +171,10 @@ def sim_stack(redis_server: RedisServer, tmp_path: Path) -> Iterator[Stack]:  # 
             # Provisional entries (a router's own just-routed prompts) lapse fast, so what the routers know of
             # each other's requests can only have come through the relay and Redis.
             env["KVROUTER_PROVISIONAL_TTL_S"] = "0.2"
-            command = replace_value([str(item) for item in service["command"]], "--replicas", str(fleet_file))
-            stack.start(name, command, env, tmp_path)
+            command = replace_value([str(item) for item in service["command"]], "--replicas", str(stack.fleet_file))
+            stack.start(name, command, env)
             stack.routers.append(f"http://127.0.0.1:{port}")
-        for replica in fleet["replicas"]:
+        for replica in stack.fleet["replicas"]:
             wait_for(f"{replica['url']}/health", stack)
         for router in stack.routers:
             wait_for(f"{router}/ready", stack)
@@ -156,10 +190,12 @@ SYSTEM = (
 )
 
 
-async def ask(session: aiohttp.ClientSession, router: str, question: str, model: str) -> tuple[str, int]:
+async def ask(
+    session: aiohttp.ClientSession, router: str, question: str, model: str, system: str = SYSTEM
+) -> tuple[str, int]:
     body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
         "max_tokens": 4,
     }
     async with session.post(f"{router}/v1/chat/completions", json=body) as response:
@@ -217,3 +253,32 @@ async def test_the_compose_sim_stack_routes_as_one(sim_stack: Stack) -> None:
         assert "sim-0" in moved, "router-1 kept routing to the replica drained through router-2"
         async with session.get(sim_stack.relay_metrics) as response:
             assert "kvrouter_kv_events_total" in await response.text()
+
+        # Add a replica live, as docs/runbook.md says: start it, list it, reload the routers, restart the relay.
+        sim_stack.add_sim("sim-2", replace_value(sim_stack.sim_command, "--hash-seed", "2"))
+        await asyncio.to_thread(wait_for, f"{sim_stack.fleet['replicas'][-1]['url']}/health", sim_stack)
+        sim_stack.write_fleet()
+        async with session.post(f"{router_1}/admin/reload", headers=AUTH) as response:
+            answer = await response.json()
+        assert answer["changes"]["added"] == ["sim-2"] and answer["shared"] is True, answer
+        sim_stack.stop_service("relay")
+        sim_stack.start_relay()
+        await asyncio.to_thread(wait_for, sim_stack.relay_metrics, sim_stack)
+        for _ in range(100):  # router-2 re-reads its file when router-1's reload reaches it through Redis
+            async with session.get(f"{router_2}/admin/replicas", headers=AUTH) as response:
+                listed = [view["name"] for view in (await response.json())["replicas"]]
+            if "sim-2" in listed:
+                break
+            await asyncio.sleep(0.1)
+        assert listed == ["sim-0", "sim-1", "sim-2"]
+        # A new prefix lands on sim-2 (the only replica left undrained), then both routers find it there.
+        await drain(session, router_1, "sim-0", True)
+        await asyncio.sleep(1.5)
+        other = "Tu es l'assistant d'un cabinet d'avocats a Lyon. Reponds brievement et cite les articles. " * 12
+        assert (await ask(session, router_2, "premiere question", model, other))[0] == "sim-2"
+        await drain(session, router_1, "sim-0", False)
+        await drain(session, router_1, "sim-1", False)
+        await asyncio.sleep(1.5)
+        for turn in range(4):
+            replica, cached = await ask(session, (router_1, router_2)[turn % 2], f"question {turn}", model, other)
+            assert replica == "sim-2" and cached > 0, (turn, replica, cached)
