@@ -134,21 +134,26 @@ class _BlockPool:
 
     def register(self, hashes: list[int], parent: int | None) -> None:
         """Reserved blocks were computed: each becomes a cached block under its hash (or joins an equal one)."""
+        if not hashes:
+            return
         active = self.active
         inactive = self.inactive
+        self.partial -= len(hashes)
+        if active.keys().isdisjoint(hashes) and inactive.keys().isdisjoint(hashes):
+            # The usual case: blocks nobody has computed yet.
+            active.update(dict.fromkeys(hashes, 1))
+            self.events.append(StoredBlocks(tuple(hashes), parent, None, self.block_size))
+            return
         stored: list[int] = []
         for block_hash in hashes:
             count = active.get(block_hash)
             if count is not None:
                 active[block_hash] = count + 1
-                self.partial -= 1
             elif block_hash in inactive:
                 del inactive[block_hash]
                 active[block_hash] = 1
-                self.partial -= 1
             else:
                 active[block_hash] = 1
-                self.partial -= 1
                 stored.append(block_hash)
         if stored:
             if len(stored) == len(hashes):
