@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -385,3 +385,74 @@ async def test_an_event_source_that_is_catching_up_holds_readiness(aiohttp_clien
     assert "loading" in (await waiting.json())["checks"]["events"]
     source.loaded = True
     assert (await client.get("/ready")).status == 200
+
+
+# -- SIGHUP on the real `kvrouter` process ------------------------------------------------------------------
+
+
+@pytest.fixture
+def router_process(tmp_path: Path) -> Iterator[Callable[[Path], tuple[int, str]]]:
+    """`start(fleet_file)` runs `kvrouter --replicas FILE` on a free port; (pid, base URL). Stopped by PID."""
+    import subprocess
+    import sys
+
+    from tests.redis_fixtures import free_port
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(fleet_file: Path) -> tuple[int, str]:
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvrouter.cli", "--replicas", str(fleet_file), "--host", "127.0.0.1",
+             "--port", str(port), "--admin-token", TOKEN, "--health-interval", "30", "--policy", "round_robin"],
+            stdout=subprocess.DEVNULL, stderr=(tmp_path / "router.log").open("wb"),
+        )
+        started.append(process)
+        return process.pid, f"http://127.0.0.1:{port}"
+
+    yield start
+    for process in started:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def test_sighup_reloads_a_running_kvrouter_process(
+    fake_replicas: ReplicaFactory, router_process: Callable[[Path], tuple[int, str]], tmp_path: Path
+) -> None:
+    import aiohttp
+
+    r0, r1 = await fake_replicas(2)
+    fleet_file = tmp_path / "replicas.yaml"
+    write_fleet(fleet_file, [r0])
+    pid, url = router_process(fleet_file)
+    async with aiohttp.ClientSession() as session:
+
+        async def listed() -> list[str]:
+            try:
+                async with session.get(f"{url}/admin/replicas", headers=AUTH) as response:
+                    return [view["name"] for view in (await response.json())["replicas"]]
+            except aiohttp.ClientError:
+                return []
+
+        for _ in range(300):
+            if await listed() == ["r0"]:
+                break
+            await asyncio.sleep(0.1)
+        assert await listed() == ["r0"]
+        write_fleet(fleet_file, [r0, r1])
+        os.kill(pid, signal.SIGHUP)
+        for _ in range(100):
+            if await listed() == ["r0", "r1"]:
+                break
+            await asyncio.sleep(0.05)
+        assert await listed() == ["r0", "r1"]
+        served = set()
+        for _ in range(4):
+            async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as response:
+                assert response.status == 200
+                served.add(response.headers["x-kvrouter-replica"])
+        assert served == {"r0", "r1"}
