@@ -41,17 +41,20 @@ def chain_keys(
     full = len(token_ids) // block_size
     if full == 0:
         return []
-    data = array("I", token_ids[: full * block_size]).tobytes()
+    size = full * block_size
+    # Event batches carry exactly the full blocks' tokens: skip the copy a slice would make.
+    data = array("I", token_ids if len(token_ids) == size else token_ids[:size]).tobytes()
     step = block_size * 4
     keys: list[int] = []
+    append = keys.append
     if parent is None:
         previous = root_material(lora, cache_salt)
     else:
         previous = parent.to_bytes(8, "little")
     hasher = xxhash.xxh3_64_intdigest
-    for start in range(0, full * step, step):
+    for start in range(0, size * 4, step):
         key = hasher(previous + data[start : start + step], seed)
-        keys.append(key)  # not BlockKey(key): calling a NewType costs a Python call per block
+        append(key)  # not BlockKey(key): calling a NewType costs a Python call per block
         previous = key.to_bytes(8, "little")
     return cast("list[BlockKey]", keys)
 

@@ -285,60 +285,36 @@ class PrefixIndex:
     @staticmethod
     def _prefix_lengths(keys: Sequence[BlockKey], tables: Sequence[dict[BlockKey, int]]) -> dict[int, int]:
         """Source bit -> number of leading `keys` whose mask (OR over `tables`) has that bit."""
+        alive = -1
         lengths: dict[int, int] = {}
-        total = len(keys)
         start = 0
         size = _FIRST_CHUNK
-        alive = 0
-        zeros = itertools.repeat(0)
+        total = len(keys)
         first, rest = tables[0], tables[1:]
-        neg = operator.neg
         while start < total:
             chunk = keys[start : start + size]
-            masks = list(map(first.get, chunk, zeros))
-            for table in rest:
-                # Provisional marks and lower tiers are small or absent for most keys: skip the OR when none of
-                # the chunk is there (one cheap probe per key instead of a probe, an OR and a new list).
-                if not table.keys().isdisjoint(chunk):
-                    masks = list(map(operator.or_, masks, map(table.get, chunk, zeros)))
-            if start == 0:
-                alive = masks[0]
-            if masks.count(alive) == len(masks):
-                # The common case — every source still in holds the whole chunk, none comes back — costs one
-                # C-level scan instead of an accumulate.
-                start += size
-                size *= 4
-                if not alive:
-                    return lengths
-                continue
-            if start == 0:
-                accumulated = list(itertools.accumulate(masks, operator.and_))
-            else:
-                accumulated = list(itertools.accumulate(masks, operator.and_, initial=alive))[1:]
-            # `accumulated` only ever loses bits, so as numbers it never increases: bisect on its negation to
-            # jump straight to each point where some source drops out.
-            position = 0
-            while alive:
-                drop = bisect.bisect_right(accumulated, -alive, lo=position, key=neg)
-                if drop == len(accumulated):
-                    break
-                remaining = accumulated[drop]
-                dropped = alive & ~remaining
-                length = start + drop
-                while dropped:
-                    low = dropped & -dropped
-                    lengths[low] = length
-                    dropped ^= low
-                alive = remaining
-                position = drop
+            raw: bytes | bytearray | None = None
+            if not any(not table.keys().isdisjoint(chunk) for table in rest):
+                try:
+                    # Probed straight into bytes, in C; a source past bit 7 makes it raise.
+                    raw = bytearray(map(first.get, chunk, _ZEROS))
+                except ValueError:
+                    raw = None
+            if raw is None:
+                masks = _chunk_masks(chunk, tables)
+                if alive >= 256 or max(masks) >= 256:
+                    return _prefix_lengths_wide(
+                        keys, tables, lengths, start, size, masks, alive if alive >= 0 else masks[0]
+                    )
+                raw = bytes(masks)
+            if alive < 0:
+                alive = raw[0]
+            alive = _drop_points(raw, alive, start, lengths)
             if not alive:
                 return lengths
             start += size
             size *= 4
-        while alive:
-            low = alive & -alive
-            lengths[low] = total
-            alive ^= low
+        _finish(alive, total, lengths)
         return lengths
 
     # ---- introspection ------------------------------------------------------------------------------------
@@ -364,6 +340,96 @@ class PrefixIndex:
         if not any(self._tiers[1:]):
             return len(self._gpu)
         return len(set().union(*self._tiers))
+
+
+def _chunk_masks(chunk: Sequence[BlockKey], tables: Sequence[dict[BlockKey, int]]) -> list[int]:
+    masks = list(map(tables[0].get, chunk, _ZEROS))
+    for table in tables[1:]:
+        # Provisional marks and lower tiers are small or absent for most keys: skip the OR when none of the
+        # chunk is there (one cheap probe per key instead of a probe, an OR and a new list).
+        if not table.keys().isdisjoint(chunk):
+            masks = list(map(operator.or_, masks, map(table.get, chunk, _ZEROS)))
+    return masks
+
+
+def _and_table(alive: int) -> bytes:
+    """A `bytes.translate` table keeping only `alive`'s bits of a byte."""
+    return bytes(value & alive for value in range(256))
+
+
+_AND_TABLES = tuple(_and_table(alive) for alive in range(256))
+_BYTES = tuple(bytes((value,)) for value in range(256))
+
+
+def _drop_points(raw: bytes | bytearray, alive: int, start: int, lengths: dict[int, int]) -> int:
+    """Record where each of `alive`'s sources (all below bit 8) drops out of the chunk `raw` (masks as bytes,
+    the chunk's first key at `start`); returns the sources still in at its end.
+
+    The masks restricted to the sources still in (`translate`) must equal the set itself up to the next drop
+    point, so `lstrip` finds it in C: the Python-level work is per drop point, not per block.
+    """
+    position = 0
+    while alive:
+        view = raw[position:].translate(_AND_TABLES[alive])
+        run = len(view) - len(view.lstrip(_BYTES[alive]))
+        if run == len(view):
+            break
+        remaining = view[run]
+        _finish(alive & ~remaining, start + position + run, lengths)
+        alive = remaining
+        position += run
+    return alive
+
+
+def _finish(bits: int, length: int, lengths: dict[int, int]) -> None:
+    while bits:
+        low = bits & -bits
+        lengths[low] = length
+        bits ^= low
+
+
+def _prefix_lengths_wide(
+    keys: Sequence[BlockKey],
+    tables: Sequence[dict[BlockKey, int]],
+    lengths: dict[int, int],
+    start: int,
+    size: int,
+    masks: list[int],
+    alive: int,
+) -> dict[int, int]:
+    """`_prefix_lengths` once some source sits past bit 7, from the chunk at `start` (its `masks` probed)."""
+    total = len(keys)
+    neg = operator.neg
+    while True:
+        if masks.count(alive) == len(masks):
+            # The common case — every source still in holds the whole chunk, none comes back — costs one
+            # C-level scan instead of an accumulate.
+            pass
+        else:
+            if start == 0:
+                accumulated = list(itertools.accumulate(masks, operator.and_))
+            else:
+                accumulated = list(itertools.accumulate(masks, operator.and_, initial=alive))[1:]
+            # `accumulated` only ever loses bits, so as numbers it never increases: bisect on its negation to
+            # jump straight to each point where some source drops out.
+            position = 0
+            while alive:
+                drop = bisect.bisect_right(accumulated, -alive, lo=position, key=neg)
+                if drop == len(accumulated):
+                    break
+                remaining = accumulated[drop]
+                _finish(alive & ~remaining, start + drop, lengths)
+                alive = remaining
+                position = drop
+        if not alive:
+            return lengths
+        start += size
+        size *= 4
+        if start >= total:
+            break
+        masks = _chunk_masks(keys[start : start + size], tables)
+    _finish(alive, total, lengths)
+    return lengths
 
 
 __all__ = ["PrefixIndex"]

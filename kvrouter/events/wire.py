@@ -145,9 +145,13 @@ def _fold(value: WireHash) -> EngineBlockHash:
 
 
 def _fold_all(values: list[WireHash]) -> list[EngineBlockHash]:
-    # vLLM's usual form (non-negative ints) passes through without a per-hash Python step.
-    if values and set(map(type, values)) == {int} and min(values) >= 0:  # type: ignore[operator]
-        return values  # type: ignore[return-value]
+    # vLLM's usual form (non-negative ints) passes through without a per-hash Python step: `min` over ints is
+    # one C-level pass, and bytes (alone or mixed with ints) make the comparison raise instead.
+    try:
+        if not values or min(values) >= 0:  # type: ignore[operator]
+            return values  # type: ignore[return-value]
+    except TypeError:
+        pass
     return [_fold(h) for h in values]
 
 

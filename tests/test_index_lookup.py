@@ -1,0 +1,60 @@
+"""Lookup of long prompts: drop points inside and across chunks, with few sources (the byte path) and many
+(the wide path), against a per-key reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvrouter.index import PrefixIndex
+from kvrouter.routing import PrefixMatch
+from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
+
+
+def reference(held: dict[ReplicaName, set[BlockKey]], prompt: list[BlockKey]) -> dict[ReplicaName, int]:
+    result = {}
+    for replica, keys in held.items():
+        count = 0
+        for key in prompt:
+            if key not in keys:
+                break
+            count += 1
+        if count:
+            result[replica] = count
+    return result
+
+
+@pytest.mark.parametrize("replicas", [1, 4, 7, 8, 9, 20])
+@pytest.mark.parametrize("seed", range(6))
+def test_long_prompts_match_the_reference(replicas: int, seed: int) -> None:
+    rng = random.Random(seed * 100 + replicas)
+    prompt = [BlockKey(rng.getrandbits(64)) for _ in range(rng.choice([17, 80, 336, 700, 1500]))]
+    index = PrefixIndex()
+    held: dict[ReplicaName, set[BlockKey]] = {}
+    for n in range(replicas):
+        name = ReplicaName(f"r{n}")
+        length = rng.randrange(len(prompt) + 1)
+        keys = prompt[:length] + [BlockKey(rng.getrandbits(64)) for _ in range(5)]
+        if length > 3 and rng.random() < 0.5:  # a hole: later blocks held, but the prefix ends there
+            hole = rng.randrange(length)
+            keys.pop(hole)
+        # Some replicas also hold blocks far down the prompt without its head.
+        keys += rng.sample(prompt, min(len(prompt), 10))
+        index.store_keys(name, [EngineBlockHash(k ^ n) for k in keys], keys)
+        held[name] = set(keys)
+    expected = {name: PrefixMatch(n, n) for name, n in reference(held, prompt).items()}
+    assert dict(index.longest_prefixes(prompt, 0.0)) == expected
+
+
+def test_provisional_and_lower_tiers_mix_with_long_prompts() -> None:
+    rng = random.Random(7)
+    prompt = [BlockKey(rng.getrandbits(64)) for _ in range(600)]
+    a, b = ReplicaName("a"), ReplicaName("b")
+    index = PrefixIndex(provisional_ttl_s=5.0)
+    index.store_keys(a, [EngineBlockHash(k) for k in prompt[:300]], prompt[:300])
+    index.store_keys(a, [EngineBlockHash(k) for k in prompt[300:450]], prompt[300:450], Tier.CPU)
+    index.add_provisional(b, prompt[:500], now=0.0)
+    index.store_keys(b, [EngineBlockHash(k) for k in prompt[:20]], prompt[:20])
+    assert dict(index.longest_prefixes(prompt, 1.0)) == {a: PrefixMatch(450, 300), b: PrefixMatch(500, 500)}
+    assert dict(index.longest_prefixes(prompt, 6.0)) == {a: PrefixMatch(450, 300), b: PrefixMatch(20, 20)}
