@@ -238,6 +238,12 @@ class RedisFollower:
         self.last_error = None
         self.loaded.set()
         groups = self._groups()
+        if not groups:
+            # No replica publishes events (none has kv_events): keep the session until one is followed.
+            while not self._membership_changed:
+                await redis.ping()
+                await self.sleep(self.knobs.block_ms / 1000)
+            raise _Resubscribe
         if len(groups) == 1:
             await self._follow(redis, groups[0])
             return
