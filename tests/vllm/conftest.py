@@ -60,12 +60,13 @@ def tiny_model(vllm_python: Path, vllm_workdir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_fleet(vllm_python: Path, tiny_model: Path, vllm_workdir: Path) -> Iterator[dict[str, VllmServer]]:
+    cores = os.cpu_count() or 1
     servers = [
         VllmServer(
-            name, vllm_python, tiny_model, vllm_workdir, cpu=cpu, num_gpu_blocks=NUM_GPU_BLOCKS,
+            name, vllm_python, tiny_model, vllm_workdir, cpu=index % cores, num_gpu_blocks=NUM_GPU_BLOCKS,
             max_model_len=MAX_MODEL_LEN, extra_args=TOOL_ARGS,
         )
-        for cpu, name in enumerate(("vllm-a", "vllm-b"))
+        for index, name in enumerate(("vllm-a", "vllm-b"))
     ]  # fmt: skip
     start_all(servers)
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -102,12 +103,14 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="kvrouter-real-bench-"))
     args.out.mkdir(parents=True, exist_ok=True)
     args.model_dir = build_tiny_model(work / "model", python)
+    cores = os.cpu_count() or 1
     servers = [
         VllmServer(
-            name, python, args.model_dir, work, cpu=cpu, num_gpu_blocks=args.num_gpu_blocks, extra_args=TOOL_ARGS
+            name, python, args.model_dir, work, cpu=index % cores, num_gpu_blocks=args.num_gpu_blocks,
+            extra_args=TOOL_ARGS,
         )
-        for cpu, name in enumerate(("vllm-a", "vllm-b"))
-    ]
+        for index, name in enumerate(("vllm-a", "vllm-b"))
+    ]  # fmt: skip
     started = time.monotonic()
     start_all(servers)
     print(f"two vLLM servers up in {time.monotonic() - started:.0f} s (logs in {work})", flush=True)
