@@ -82,7 +82,7 @@ class FakeEngine:
 async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)
 
 
 async def wait_for(predicate: Callable[[], bool], within_s: float = 5.0) -> None:

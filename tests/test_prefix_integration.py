@@ -49,7 +49,7 @@ async def publisher() -> AsyncIterator[tuple[zmq.asyncio.Socket, str]]:
     pub.bind(endpoint)
     yield pub, endpoint
     pub.close(linger=0)
-    context.term()
+    context.destroy(linger=0)
 
 
 def stored(hashes: list[int], token_ids: list[int]) -> bytes:

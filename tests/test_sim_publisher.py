@@ -87,7 +87,7 @@ def normalised(fields: Any) -> Any:
 async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)
 
 
 async def published_frames(context: zmq.asyncio.Context, batches: list[list[KvEvent]]) -> list[list[bytes]]:
