@@ -33,6 +33,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvrouter.routing import PrefixMatch
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
@@ -40,8 +42,10 @@ _PROVISIONAL_RANK = -1
 _ZEROS = itertools.repeat(0)
 _NONES = itertools.repeat(None)
 _NEVER = itertools.repeat(float("inf"))
-_FIRST_CHUNK = 16
+_FIRST_CHUNK = 64
 _TIERS = tuple(Tier)
+_WORD = 1 << 64
+_SHARED_MATCHES = 1 << 16
 
 
 def _consume(iterator: Iterable[object]) -> None:
@@ -74,6 +78,8 @@ class PrefixIndex:
         self._next_bit = 0
         self._expiries: deque[tuple[float, _Source, tuple[BlockKey, ...]]] = deque()
         self._stale_mappings = 0
+        # PrefixMatch values are immutable: the common all-GPU ones are shared rather than built per lookup.
+        self._matches: dict[int, PrefixMatch] = {}
 
     # ---- sources -------------------------------------------------------------------------------------------
 
@@ -271,13 +277,20 @@ class PrefixIndex:
         gpu_lengths = self._prefix_lengths(keys, gpu_tables)
         any_lengths = self._prefix_lengths(keys, gpu_tables + lower) if lower else gpu_lengths
         result: dict[ReplicaName, PrefixMatch] = {}
+        by_bit = self._by_bit
+        matches = self._matches
         for bit, blocks in any_lengths.items():
-            replica = self._by_bit[bit].replica
+            replica = by_bit[bit].replica
             gpu_blocks = gpu_lengths.get(bit, 0)
             best = result.get(replica)
             if best is not None:
                 blocks, gpu_blocks = max(blocks, best.blocks), max(gpu_blocks, best.gpu_blocks)
-            result[replica] = PrefixMatch(blocks, gpu_blocks)
+            match = matches.get(blocks) if blocks == gpu_blocks else None
+            if match is None:
+                match = PrefixMatch(blocks, gpu_blocks)
+                if blocks == gpu_blocks and len(matches) < _SHARED_MATCHES:
+                    matches[blocks] = match
+            result[replica] = match
         if self.max_blocks is not None and result:
             self._touch(keys[: max(m.blocks for m in result.values())])
         return result
@@ -313,7 +326,7 @@ class PrefixIndex:
             if not alive:
                 return lengths
             start += size
-            size *= 4
+            size *= 8
         _finish(alive, total, lengths)
         return lengths
 
@@ -388,6 +401,29 @@ def _finish(bits: int, length: int, lengths: dict[int, int]) -> None:
         bits ^= low
 
 
+def _drop_points_word(masks: list[int], alive: int, start: int, lengths: dict[int, int]) -> int:
+    """`_drop_points` for sources up to bit 63: the chunk's masks AND-accumulated in one numpy call, then
+    visited only where the accumulated set changes (bits of sources not in `alive` are masked off)."""
+    try:
+        words = np.fromiter(masks, dtype=np.uint64, count=len(masks))
+    except OverflowError:  # a source past bit 63 holds some block here, but none of them is alive: mask it
+        words = np.fromiter([mask & alive for mask in masks], dtype=np.uint64, count=len(masks))
+    accumulated = np.bitwise_and.accumulate(words)
+    accumulated &= np.uint64(alive)
+    changes = np.flatnonzero(accumulated[1:] != accumulated[:-1]) + 1
+    if int(accumulated[0]) != alive:
+        changes = np.concatenate(([0], changes))
+    for position, remaining in zip(changes.tolist(), accumulated[changes].tolist(), strict=True):
+        dropped = alive & ~remaining
+        length = start + position
+        while dropped:
+            low = dropped & -dropped
+            lengths[low] = length
+            dropped ^= low
+        alive = remaining
+    return alive
+
+
 def _prefix_lengths_wide(
     keys: Sequence[BlockKey],
     tables: Sequence[dict[BlockKey, int]],
@@ -405,6 +441,8 @@ def _prefix_lengths_wide(
             # The common case — every source still in holds the whole chunk, none comes back — costs one
             # C-level scan instead of an accumulate.
             pass
+        elif alive < _WORD:
+            alive = _drop_points_word(masks, alive, start, lengths)
         else:
             if start == 0:
                 accumulated = list(itertools.accumulate(masks, operator.and_))
@@ -424,7 +462,7 @@ def _prefix_lengths_wide(
         if not alive:
             return lengths
         start += size
-        size *= 4
+        size *= 8
         if start >= total:
             break
         masks = _chunk_masks(keys[start : start + size], tables)

@@ -25,7 +25,7 @@ def reference(held: dict[ReplicaName, set[BlockKey]], prompt: list[BlockKey]) ->
     return result
 
 
-@pytest.mark.parametrize("replicas", [1, 4, 7, 8, 9, 20])
+@pytest.mark.parametrize("replicas", [1, 4, 7, 8, 9, 20, 64, 70])
 @pytest.mark.parametrize("seed", range(6))
 def test_long_prompts_match_the_reference(replicas: int, seed: int) -> None:
     rng = random.Random(seed * 100 + replicas)
