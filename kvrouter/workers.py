@@ -3,11 +3,12 @@
 The parent validates the configuration (as a single router does), then starts N worker processes (spawned, so
 none inherits the parent's threads) and supervises them: a worker that dies is started again after
 ``restart_delay_s``; SIGTERM/SIGINT is passed on, and each worker drains its in-flight requests within
-``shutdown_grace_s`` as a single router would. The kernel spreads new connections over the workers' listening
-sockets. Each worker is a complete router with its own index, so they should share one view of the engines'
-caches: with ``--redis-url`` every worker follows the relay's streams in Redis (the intended set-up); without it
-each worker subscribes to every engine's ZMQ publisher itself, which works only when the engines bind (a router
-that binds its own endpoint, ``kv_events.bind``, cannot be repeated N times).
+``shutdown_grace_s`` as a single router would; SIGHUP is passed on too (every worker reloads replicas.yaml).
+The kernel spreads new connections over the workers' listening sockets. Each worker is a complete router with
+its own index, so they should share one view of the engines' caches: with ``--redis-url`` every worker follows
+the relay's streams in Redis (the intended set-up); without it each worker subscribes to every engine's ZMQ
+publisher itself, which works only when the engines bind (a router that binds its own endpoint,
+``kv_events.bind``, cannot be repeated N times).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.process
+import os
 import signal
 import time
 from types import FrameType
@@ -70,9 +72,16 @@ class Supervisor:
     def _stop_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stopping = True
 
+    def _reload_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Each worker re-reads replicas.yaml on SIGHUP (kvrouter.admin); the parent only passes it on.
+        for process in self.workers:
+            if process is not None and process.pid is not None and process.is_alive():
+                os.kill(process.pid, signal.SIGHUP)
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop_signal)
         signal.signal(signal.SIGINT, self._stop_signal)
+        signal.signal(signal.SIGHUP, self._reload_signal)
         for number in range(len(self.workers)):
             self._start(number)
         log.info("kvrouter: %d workers on port %d", len(self.workers), self.settings.port)
