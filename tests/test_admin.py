@@ -391,8 +391,9 @@ async def test_an_event_source_that_is_catching_up_holds_readiness(aiohttp_clien
 
 
 @pytest.fixture
-def router_process(tmp_path: Path) -> Iterator[Callable[[Path], tuple[int, str]]]:
-    """`start(fleet_file)` runs `kvrouter --replicas FILE` on a free port; (pid, base URL). Stopped by PID."""
+def router_process(tmp_path: Path) -> Iterator[Callable[..., tuple[int, str]]]:
+    """`start(fleet_file, *flags)` runs `kvrouter --replicas FILE` on a free port; (pid, base URL). Stopped by
+    PID."""
     import subprocess
     import sys
 
@@ -400,11 +401,12 @@ def router_process(tmp_path: Path) -> Iterator[Callable[[Path], tuple[int, str]]
 
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(fleet_file: Path) -> tuple[int, str]:
+    def start(fleet_file: Path, *flags: str) -> tuple[int, str]:
         port = free_port()
         process = subprocess.Popen(
             [sys.executable, "-m", "kvrouter.cli", "--replicas", str(fleet_file), "--host", "127.0.0.1",
-             "--port", str(port), "--admin-token", TOKEN, "--health-interval", "30", "--policy", "round_robin"],
+             "--port", str(port), "--admin-token", TOKEN, "--health-interval", "30", "--policy", "round_robin",
+             *flags],
             stdout=subprocess.DEVNULL, stderr=(tmp_path / "router.log").open("wb"),
         )
         started.append(process)
@@ -420,16 +422,18 @@ def router_process(tmp_path: Path) -> Iterator[Callable[[Path], tuple[int, str]]
             process.wait()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 async def test_sighup_reloads_a_running_kvrouter_process(
-    fake_replicas: ReplicaFactory, router_process: Callable[[Path], tuple[int, str]], tmp_path: Path
+    fake_replicas: ReplicaFactory, router_process: Callable[..., tuple[int, str]], tmp_path: Path, workers: int
 ) -> None:
     import aiohttp
 
     r0, r1 = await fake_replicas(2)
     fleet_file = tmp_path / "replicas.yaml"
     write_fleet(fleet_file, [r0])
-    pid, url = router_process(fleet_file)
-    async with aiohttp.ClientSession() as session:
+    pid, url = router_process(fleet_file, "--workers", str(workers))
+    # A fresh connection per call, so with several workers the kernel spreads the calls over all of them.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
 
         async def listed() -> list[str]:
             try:
@@ -443,13 +447,17 @@ async def test_sighup_reloads_a_running_kvrouter_process(
                 break
             await asyncio.sleep(0.1)
         assert await listed() == ["r0"]
+        if workers > 1:
+            await asyncio.sleep(3)  # every worker up (the first answer came from one of them)
         write_fleet(fleet_file, [r0, r1])
         os.kill(pid, signal.SIGHUP)
         for _ in range(100):
             if await listed() == ["r0", "r1"]:
                 break
             await asyncio.sleep(0.05)
-        assert await listed() == ["r0", "r1"]
+        await asyncio.sleep(0.5)
+        # Every worker reloaded: many calls, each on a new connection, all see the new fleet.
+        assert [await listed() for _ in range(12)] == [["r0", "r1"]] * 12
         served = set()
         for _ in range(4):
             async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as response:
