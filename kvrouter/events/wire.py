@@ -155,22 +155,32 @@ def _fold_all(values: list[WireHash]) -> list[EngineBlockHash]:
     return [_fold(h) for h in values]
 
 
+_COMMON_MEDIA: dict[str | None, Tier] = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU}
+
+
+def _tier(medium: str | None) -> Tier:
+    tier = _COMMON_MEDIA.get(medium)
+    return Tier.from_medium(medium) if tier is None else tier
+
+
 def _normalise(event: _WireEvent) -> KvEvent:
     if isinstance(event, _MapStored | _ArrayStored):
+        parent = event.parent_block_hash
+        # Positional: this runs once per stored event on the ingest hot path (keywords cost more).
         return BlockStored(
-            engine_hashes=_fold_all(event.block_hashes),
-            parent=None if event.parent_block_hash is None else _fold(event.parent_block_hash),
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            tier=Tier.from_medium(event.medium),
-            lora_name=event.lora_name,
-            lora_id=event.lora_id,
-            extra_keys=event.extra_keys,
-            group_idx=event.group_idx,
-            spec_kind=event.kv_cache_spec_kind,
+            _fold_all(event.block_hashes),
+            None if parent is None else _fold(parent),
+            event.token_ids,
+            event.block_size,
+            _tier(event.medium),
+            event.lora_name,
+            event.lora_id,
+            event.extra_keys,
+            event.group_idx,
+            event.kv_cache_spec_kind,
         )
     if isinstance(event, _MapRemoved | _ArrayRemoved):
-        return BlockRemoved(_fold_all(event.block_hashes), Tier.from_medium(event.medium), event.group_idx)
+        return BlockRemoved(_fold_all(event.block_hashes), _tier(event.medium), event.group_idx)
     return AllBlocksCleared()
 
 
