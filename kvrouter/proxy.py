@@ -16,6 +16,7 @@ forward_authorization.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -194,7 +195,9 @@ class Proxy:
             tried.append(replica.name)
             replica.begin_attempt()
             try:
-                outcome = await self._forward(request, raw, route, replica, ticket, predicted, request_id, start)
+                outcome = await self._forward(
+                    request, raw, route, replica, ticket, predicted, request_id, start, stream=parsed.stream
+                )
             finally:
                 replica.end_attempt()
                 self.load.finish(ticket)
@@ -223,6 +226,8 @@ class Proxy:
         predicted: int,
         request_id: str,
         start: float,
+        *,
+        stream: bool = False,
     ) -> web.StreamResponse | Refused:
         headers = upstream_headers(
             request.headers,
@@ -234,7 +239,7 @@ class Proxy:
             upstream = await self._session().post(replica.base_url + route, data=raw, headers=headers)
         except (aiohttp.ClientError, TimeoutError) as error:
             reason = f"{type(error).__name__}: {error}"
-            self.replicas.record_failure(replica, reason)
+            self.replicas.record_failure(replica, reason, error)
             return Refused(reason)
         try:
             status = upstream.status
@@ -247,6 +252,15 @@ class Proxy:
                     self.replicas.record_failure(replica, f"answered {status}")
                 out_headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
                 return Refused(f"answered {status}", status, body, out_headers)
+            if stream and status == 200 and upstream.content_type != EVENT_STREAM:
+                # A broken replica or something else listening at its address; another replica may do better.
+                reason = f"answered a streaming request with {upstream.content_type or 'no content type'}"
+                self.replicas.record_failure(replica, reason)
+                bad = RequestError(
+                    f"replica {replica.name} {reason}", status=502, code="bad_upstream_response", type_="server_error"
+                )
+                headers = CIMultiDict({"Content-Type": "application/json", REQUEST_ID_HEADER: request_id})
+                return Refused(reason, 502, json.dumps(bad.body()).encode(), headers)
             replica.record_success()
             out_headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
             if upstream.content_type == EVENT_STREAM:
@@ -286,13 +300,24 @@ class Proxy:
         status = str(upstream.status)
         try:
             await response.prepare(request)
+            read_timeout = self.settings.read_timeout_s
             while True:
                 try:
-                    chunk = await upstream.content.readany()
+                    # Our own per-chunk deadline on top of the session's sock_read: aiohttp drops its read timer
+                    # when the replica's chunked framing is malformed mid-body, and the read would never end.
+                    async with asyncio.timeout(read_timeout):
+                        chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, TimeoutError) as error:
-                    # Too late to retry: cut the client's connection so the truncation shows, not a clean end.
+                    # Too late to retry: an SSE error event says why (OpenAI clients raise it as an APIError), then
+                    # the connection is cut without the chunked terminator so the truncation shows, not a clean end.
                     status = "upstream_error"
-                    self.replicas.record_failure(replica, f"stream broke: {type(error).__name__}: {error}")
+                    reason = f"stream broke: {type(error).__name__}: {error}"
+                    self.replicas.record_failure(replica, reason)
+                    broke = RequestError(
+                        f"replica {replica.name} {reason}", status=502, code="upstream_error", type_="server_error"
+                    )
+                    with contextlib.suppress(ConnectionError):
+                        await response.write(b"data: " + json.dumps(broke.body()).encode() + b"\n\n")
                     if request.transport is not None:
                         request.transport.close()
                     return response
