@@ -45,6 +45,9 @@ Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets:
 - `kv_waiting_request_tokens` [0]: prompt tokens assumed for each request the engine reports waiting beyond the
   ones this router is prefilling there (other routers' traffic; 0 = trust this router's own accounting).
 - `kv_hotspot_ratio` [2.0] and `kv_hotspot_slack` [8]: the hot-spot load cap described above.
+- `kv_tune` [off]: tune `cache_weight` online against measured TTFT (`kvrouter/tuning.py`: 10% of decisions
+  probe the weight x1.25 and x0.75); the driver reports each TTFT through `observe_ttft`. Off by default: on the
+  Mooncake trace it did not beat the fixed weight (docs/benchmarks.md, "Beyond kv_aware").
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrouter.policies.base import Candidate, CandidateScore, Decision, RouteRequest
+from kvrouter.tuning import WeightTuner
 from kvrouter.typedefs import ReplicaName
 
 
@@ -69,6 +73,7 @@ class KvAwareConfig:
     cache_weight: float = 4.0
     hotspot_ratio: float = 2.0
     hotspot_slack: float = 8.0
+    tune: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.batch_tokens <= 0:
@@ -123,6 +128,7 @@ class KvAwarePolicy:
         self.clock = clock
         self._turn = 0
         self._lanes: dict[ReplicaName, _Lane] = {}
+        self.tuner = WeightTuner(self.config.cache_weight) if self.config.tune else None
 
     @classmethod
     def from_settings(cls, settings: Any, *, clock: Callable[[], float] = time.monotonic) -> KvAwarePolicy:
@@ -138,8 +144,11 @@ class KvAwarePolicy:
         mean = sum(c.load.in_flight / c.weight for c in candidates) / len(candidates)
         return self.config.hotspot_ratio * mean + self.config.hotspot_slack
 
-    def score(self, request: RouteRequest, candidate: Candidate, cap: float, now: float) -> CandidateScore:
+    def score(
+        self, request: RouteRequest, candidate: Candidate, cap: float, now: float, weight: float | None = None
+    ) -> CandidateScore:
         config = self.config
+        cache_weight = config.cache_weight if weight is None else weight
         load = candidate.load
         prompt = request.prompt_tokens or 0
         relative_load = load.in_flight / candidate.weight
@@ -165,7 +174,7 @@ class KvAwarePolicy:
         passes = max(1.0, work / config.batch_tokens)
         decode_s = passes * pass_s
         ttft_s = prefill_s + decode_s
-        affinity_s = (config.cache_weight - 1.0) * credit / (config.prefill_tokens_per_s * candidate.weight)
+        affinity_s = (cache_weight - 1.0) * credit / (config.prefill_tokens_per_s * candidate.weight)
         score = ttft_s - affinity_s
         breakdown = {
             "cached_tokens": float(candidate.cached_tokens),
@@ -186,6 +195,7 @@ class KvAwarePolicy:
             "hot_spot": 1.0 if hot else 0.0,
             "weight": candidate.weight,
             "prompt_tokens": float(prompt),
+            "cache_weight": cache_weight,
         }
         return CandidateScore(candidate.replica, candidate.cached_tokens, score, breakdown)
 
@@ -194,14 +204,20 @@ class KvAwarePolicy:
         cap = self._cap(candidates)
         now = self.clock()
         count = len(candidates)
+        weight = None if self.tuner is None else self.tuner.weight_for(self._turn)
         scores = []
         ranked = []
         for position, candidate in enumerate(candidates):
-            scored = self.score(request, candidate, cap, now)
+            scored = self.score(request, candidate, cap, now, weight)
             scores.append(scored)
             relative_load = candidate.load.in_flight / candidate.weight
             ranked.append((scored.score, relative_load, (position - self._turn) % count, candidate.replica))
         return Decision(min(ranked)[3], tuple(scores))
+
+    def observe_ttft(self, used_weight: float, ttft_s: float, prompt_tokens: int) -> None:
+        """A request this policy routed with cache weight `used_weight` (its breakdown's) got its first token."""
+        if self.tuner is not None:
+            self.tuner.observe(used_weight, ttft_s, prompt_tokens)
 
     def record(self, decision: Decision) -> None:
         self._turn += 1

@@ -31,6 +31,7 @@ from kvrouter.replay.driver import (
     floor_ttfts,
     replay_policy,
 )
+from kvrouter.replay.hotspot import hot_spot
 from kvrouter.replay.prompts import PromptCatalog
 from kvrouter.replay.report import summarize, table, write_outputs
 from kvrouter.replay.trace import TraceError, load_trace
@@ -49,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=None, help="Tokens per trace block (512 / 32).")
     parser.add_argument("--event-delay", type=float, default=0.0, help="Extra seconds before KV events land.")
     parser.add_argument("--scrape-interval", type=float, default=1.0, help="Seconds between gauge samples.")
+    parser.add_argument(
+        "--lost-removals", type=float, default=0.0, help="Share of engine-0's BlockRemoved events lost (0..1)."
+    )
+    parser.add_argument("--hot-share", type=float, default=0.0, help="Hot-spot variant: share of requests (0 = off).")
+    parser.add_argument("--hot-start", type=float, default=1 / 3, help="Hot-spot start, fraction of the trace.")
+    parser.add_argument("--hot-prefix-blocks", type=int, default=16, help="Hot tenant prefix, in trace blocks.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the trace's token ids.")
     parser.add_argument("--no-floor", action="store_true", help="Skip the idle-engine floor computation.")
     parser.add_argument(
@@ -118,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--replicas must be at least 1 and --speedup positive")
         profile = get_profile(args.profile)
         trace = load_trace(args.trace, speedup=args.speedup, block_tokens=args.block_tokens, limit=args.limit)
+        trace = hot_spot(trace, share=args.hot_share, start=args.hot_start, prefix_blocks=args.hot_prefix_blocks)
     except (ConfigError, ValueError, TraceError, OSError) as error:
         print(f"kvrouter replay: {error}", file=sys.stderr)
         return 2
@@ -138,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
         event_delay_s=args.event_delay,
         scrape_interval_s=args.scrape_interval,
         provisional_ttl_s=settings.provisional_ttl_s,
+        feedback=settings.kv_feedback,
+        survival=settings.kv_survival,
+        lost_removals=args.lost_removals,
     )
     floors = None if args.no_floor else floor_ttfts(trace.requests, prompts, engine_factory)
 
@@ -171,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         "event_delay_s": args.event_delay,
         "scrape_interval_s": args.scrape_interval,
         "overrides": args.overrides,
+        "lost_removals": args.lost_removals,
+        "hot_spot": {"share": args.hot_share, "start": args.hot_start, "prefix_blocks": args.hot_prefix_blocks},
         "prepare_s": round(prepared_s, 3),
         "replay_cpu_s": {name: round(seconds, 3) for name, seconds in timings.items()},
         "wall_s": round(time.perf_counter() - started, 3),

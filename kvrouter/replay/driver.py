@@ -8,6 +8,12 @@ its end: first tokens and finishes move the load book, and its KV events reach t
 `event_delay_s`, to model a slow event path). Engine gauges are sampled every `scrape_interval_s` of virtual time
 into `LoadBook.observe_engine`, as the live router scrapes /metrics. At equal times, pass ends and events come
 before scrapes and arrivals, and passes start last, so simultaneous arrivals share a pass.
+
+Options beyond the plain router: `feedback` puts `FeedbackLookup` (kvrouter/feedback.py) between the router and
+the index and reports each request's `StepResult.cached_tokens` to it; `survival` puts `SurvivalLookup`
+(kvrouter/survival.py) there, fed the same KV events as the index; a policy with `observe_ttft` (kv_aware) is told
+each first token. `lost_removals` drops that share of the first engine's `BlockRemoved` events on their way to the
+router (a lossy event path: its index keeps blocks the engine no longer has).
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+from kvrouter.feedback import FeedbackLookup
 from kvrouter.index import PrefixIndex
 from kvrouter.load import EngineGauges, LoadBook, Ticket
 from kvrouter.policies.base import Policy
 from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog, SizedPrompt
 from kvrouter.replay.trace import TraceRequest
-from kvrouter.routing import Route, Router, RoutingFacts
+from kvrouter.routing import PrefixLookup, Route, Router, RoutingFacts
 from kvrouter.sim.model import CacheCleared, EngineModel, EngineRequest, KvEvent, RemovedBlocks, StepResult
+from kvrouter.survival import SurvivalConfig, SurvivalLookup
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
 
 EngineFactory = Callable[[], EngineModel]
@@ -40,6 +48,10 @@ class ReplayOptions:
     """Virtual seconds between engine gauge samples (0: never)."""
     hash_seed: int = 0
     provisional_ttl_s: float = 5.0
+    feedback: bool = False
+    survival: bool = False
+    lost_removals: float = 0.0
+    """Share of engine-0's BlockRemoved events never delivered (evenly spread, deterministic)."""
 
 
 @dataclass(slots=True)
@@ -117,9 +129,22 @@ class Replay:
         self.clock = clock or VirtualClock()
         self.index = PrefixIndex(provisional_ttl_s=self.options.provisional_ttl_s)
         self.load = LoadBook()
+        lookup: PrefixLookup = self.index
+        self.survival: SurvivalLookup | None = None
+        self.feedback: FeedbackLookup | None = None
+        if self.options.survival:
+            rate = getattr(getattr(policy, "config", None), "prefill_tokens_per_s", None)
+            config = SurvivalConfig() if rate is None else SurvivalConfig(prefill_tokens_per_s=rate)
+            lookup = self.survival = SurvivalLookup(lookup, self.load, config)
+        if self.options.feedback:
+            lookup = self.feedback = FeedbackLookup(lookup)
+        self.policy = policy
         self.router = Router(
-            policy=policy, load=self.load, index=self.index, hash_seed=self.options.hash_seed, clock=self.clock
+            policy=policy, load=self.load, index=lookup, hash_seed=self.options.hash_seed, clock=self.clock
         )
+        self._positions: dict[str, int] = {}
+        self._weights: dict[str, float] = {}
+        self._removals_lost = 0.0
         self.engines = [_Engine(name, engine_factory()) for name in replica_names(self.options.replicas)]
         block_size = self.engines[0].model.block_size
         if block_size != catalog.block_size:
@@ -185,6 +210,9 @@ class Replay:
         request_id = str(request.index)
         self._tickets[request_id] = ticket
         chosen = decision.score_of(decision.chosen)
+        self._positions[request_id] = position
+        if chosen is not None and "cache_weight" in chosen.breakdown:
+            self._weights[request_id] = chosen.breakdown["cache_weight"]
         self._records[request_id] = RequestRecord(
             index=request.index,
             replica=str(engine.name),
@@ -225,13 +253,23 @@ class Replay:
         engine.busy = False
         now = self.now
         records = self._records
+        feedback = self.feedback
         for request_id, cached in result.cached_tokens.items():
-            records[request_id].cached_tokens = cached
+            record = records[request_id]
+            record.cached_tokens = cached
+            if feedback is not None:
+                keys = self.prompts[self._positions[request_id]].keys
+                feedback.observe(engine.name, keys, record.predicted_cached, cached, self.catalog.block_size, now)
         for request_id in result.preempted:
             records[request_id].preemptions += 1
+        observe_ttft = getattr(self.policy, "observe_ttft", None)
         for request_id in result.first_tokens:
-            records[request_id].first_token = now
+            record = records[request_id]
+            record.first_token = now
             self.load.first_token(self._tickets[request_id])
+            weight = self._weights.pop(request_id, None)
+            if observe_ttft is not None and weight is not None:
+                observe_ttft(weight, now - record.arrival, record.prompt_tokens)
         for request_id in result.finished:
             records[request_id].finish = now
             self.load.finish(self._tickets.pop(request_id))
@@ -243,6 +281,24 @@ class Replay:
                 self._apply_events(engine.name, result.events)
         self._queue_start(engine)
 
+    def _lost(self, replica: ReplicaName) -> bool:
+        """Whether this BlockRemoved event from `replica` is one the lossy event path drops."""
+        share = self.options.lost_removals
+        if share <= 0 or replica != self.engines[0].name:
+            return False
+        self._removals_lost += share
+        if self._removals_lost >= 1.0:
+            self._removals_lost -= 1.0
+            return True
+        return False
+
+    def _store(self, replica: ReplicaName, hashes: list[EngineBlockHash], keys: list[BlockKey]) -> None:
+        self.index.store_keys(replica, hashes, keys)
+        if self.feedback is not None:
+            self.feedback.on_stored(replica, keys)
+        if self.survival is not None:
+            self.survival.on_stored(replica, keys, self.now)
+
     def _apply_events(self, replica: ReplicaName, events: Sequence[KvEvent]) -> None:
         """Events in order, consecutive stores batched into one index call."""
         key_of = self.catalog.keys_by_hash.get
@@ -252,13 +308,21 @@ class Replay:
         for event in events:
             if isinstance(event, RemovedBlocks):
                 if hashes:
-                    index.store_keys(replica, hashes, keys)
+                    self._store(replica, hashes, keys)
                     hashes, keys = [], []
+                if self._lost(replica):
+                    continue
+                if self.survival is not None:
+                    removed = [key for key in map(key_of, event.block_hashes) if key is not None]
+                    self.survival.on_removed(replica, removed, self.now)
                 # Output blocks were never stored (their tokens are not in the trace): the index skips them.
                 index.remove_blocks(replica, cast(tuple[EngineBlockHash, ...], event.block_hashes))
             elif isinstance(event, CacheCleared):
                 hashes, keys = [], []
                 index.clear(replica)
+                for overlay in (self.feedback, self.survival):
+                    if overlay is not None:
+                        overlay.forget(replica)
             else:
                 found = list(map(key_of, event.block_hashes))
                 if None not in found:
@@ -270,7 +334,7 @@ class Replay:
                             hashes.append(EngineBlockHash(block_hash))
                             keys.append(key)
         if hashes:
-            index.store_keys(replica, hashes, keys)
+            self._store(replica, hashes, keys)
 
     def _scrape(self) -> None:
         for engine in self.engines:

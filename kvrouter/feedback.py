@@ -1,0 +1,129 @@
+"""Self-correcting prefix lookup: learn from what the engines report they actually served from cache.
+
+`FeedbackLookup` wraps any `PrefixLookup` (the `PrefixIndex`) and sits between it and the router. After each
+request the engine reports its cached prompt tokens (`usage.prompt_tokens_details.cached_tokens` live,
+`StepResult.cached_tokens` in replay); `observe` compares that with what the router predicted for the replica it
+chose and corrects two things:
+
+- Repair. When the engine served fewer blocks than predicted, the first block it did not serve is marked suspect
+  on that replica: later lookups stop that replica's match before a suspect block, so one lost `BlockRemoved`
+  event costs one wrong guess instead of every request that shares the prefix. A suspect is cleared when the
+  replica stores that block again (a `BlockStored` event seen through `on_stored`) or after `suspect_ttl_s`.
+- Trust. Per replica, an exponentially weighted mean of served / predicted blocks (requests with a prediction
+  only); a replica's matched blocks are scaled by its trust (never below `min_trust`), so a replica whose events
+  keep overstating its cache loses credit until it behaves.
+
+The index itself is never edited (its data layout is not this module's business); everything lives in this overlay
+and the overlay observes the same events the index does. Pure and synchronous; the clock is the caller's `now`.
+
+Knobs: `trust_alpha` [0.02] weight of one request in the trust mean; `min_trust` [0.25]; `suspect_ttl_s` [120].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvrouter.routing import PrefixLookup, PrefixMatch
+from kvrouter.typedefs import BlockKey, ReplicaName
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackConfig:
+    trust_alpha: float = 0.02
+    min_trust: float = 0.25
+    suspect_ttl_s: float = 120.0
+    repair: bool = True
+    trust: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.trust_alpha <= 1 or not 0 <= self.min_trust <= 1 or self.suspect_ttl_s <= 0:
+            raise ValueError("trust_alpha must be in (0, 1], min_trust in [0, 1], suspect_ttl_s positive")
+
+
+class FeedbackLookup:
+    """A `PrefixLookup` that corrects the wrapped one with the engines' reported cache hits."""
+
+    def __init__(self, inner: PrefixLookup, config: FeedbackConfig | None = None) -> None:
+        self.inner = inner
+        self.config = config or FeedbackConfig()
+        self._trust: dict[ReplicaName, float] = {}
+        self._suspects: dict[ReplicaName, dict[BlockKey, float]] = {}
+        self.repairs = 0
+        """Suspect blocks marked so far (a metric)."""
+
+    def trust(self, replica: ReplicaName) -> float:
+        return self._trust.get(replica, 1.0)
+
+    def suspects(self, replica: ReplicaName) -> int:
+        return len(self._suspects.get(replica, ()))
+
+    # ---- PrefixLookup --------------------------------------------------------------------------------------
+
+    def longest_prefixes(self, keys: Sequence[BlockKey], now: float) -> Mapping[ReplicaName, PrefixMatch]:
+        found = self.inner.longest_prefixes(keys, now)
+        if not self._trust and not self._suspects:
+            return found
+        result: dict[ReplicaName, PrefixMatch] = {}
+        for replica, match in found.items():
+            blocks = self._repaired(replica, keys, match.blocks, now)
+            trust = self._trust.get(replica, 1.0)
+            if trust < 1.0:
+                blocks = int(blocks * trust)
+            if blocks == match.blocks:
+                result[replica] = match
+            elif blocks > 0:
+                result[replica] = PrefixMatch(blocks, min(match.gpu_blocks, blocks))
+        return result
+
+    def add_provisional(self, replica: ReplicaName, keys: Sequence[BlockKey], now: float) -> None:
+        self.inner.add_provisional(replica, keys, now)
+
+    # ---- observations --------------------------------------------------------------------------------------
+
+    def observe(
+        self,
+        replica: ReplicaName,
+        keys: Sequence[BlockKey],
+        predicted_tokens: int,
+        actual_tokens: int,
+        block_size: int,
+        now: float,
+    ) -> None:
+        """The engine served `actual_tokens` from cache where the router predicted `predicted_tokens`."""
+        predicted = min(predicted_tokens // block_size, len(keys))
+        if predicted <= 0:
+            return
+        served = min(max(actual_tokens, 0) // block_size, predicted)
+        config = self.config
+        if config.trust:
+            old = self._trust.get(replica, 1.0)
+            new = old + config.trust_alpha * (served / predicted - old)
+            self._trust[replica] = max(config.min_trust, new)
+        if config.repair and served < predicted:
+            self._suspects.setdefault(replica, {})[keys[served]] = now + config.suspect_ttl_s
+            self.repairs += 1
+
+    def on_stored(self, replica: ReplicaName, keys: Sequence[BlockKey]) -> None:
+        """The replica computed `keys` again: they are no longer suspect there."""
+        suspects = self._suspects.get(replica)
+        if suspects:
+            for key in keys:
+                suspects.pop(key, None)
+
+    def forget(self, replica: ReplicaName) -> None:
+        """The replica restarted or left: what was learnt about it no longer holds."""
+        self._trust.pop(replica, None)
+        self._suspects.pop(replica, None)
+
+    def _repaired(self, replica: ReplicaName, keys: Sequence[BlockKey], blocks: int, now: float) -> int:
+        suspects = self._suspects.get(replica)
+        if not suspects:
+            return blocks
+        first = blocks
+        for key in suspects.keys() & keys[:blocks]:
+            if suspects[key] <= now:
+                del suspects[key]
+            else:
+                first = min(first, keys.index(key))
+        return first
