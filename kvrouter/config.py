@@ -227,6 +227,9 @@ class Settings(BaseSettings):
     )
     kv_hotspot_ratio: float = Field(default=2.0, gt=0, description="Load cap: this x the fleet's mean in flight...")
     kv_hotspot_slack: float = Field(default=8.0, ge=0, description="...plus this; above it cache credit is lost.")
+    kv_tune: bool = Field(default=False, description="Tune kv_cache_weight online against measured TTFT.")
+    kv_feedback: bool = Field(default=False, description="Correct the index with engine-reported cached tokens.")
+    kv_survival: bool = Field(default=False, description="Credit cached blocks only if likely to survive the wait.")
 
     api_keys: list[str] = Field(default_factory=list, description="Accepted client Bearer keys (empty: open).")
     admin_token: str | None = Field(default=None, description="Bearer token for /admin and /debug endpoints.")
