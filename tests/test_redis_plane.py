@@ -99,15 +99,13 @@ class Router:
             clock=clock,
             knobs=FAST_FOLLOWER,
         )
-        self.task = asyncio.create_task(self.follower.run())
+        self.follower.start()
 
     def view(self, hashes: Iterable[int]) -> dict[str, object]:
         return index_view(self.index, self.follower.replicas, hashes)
 
     async def stop(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        await self.follower.stop()
 
 
 async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:

@@ -7,7 +7,6 @@ replay sockets fill the gap, so the router ends with exactly the index a router 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -147,7 +146,7 @@ async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
         clock=time.monotonic,
         knobs=FollowerKnobs(block_ms=100, backoff_initial_s=0.05, backoff_max_s=0.2),
     )
-    follower_task = asyncio.create_task(follower.run())
+    follower.start()
     reference = Reference()
     engine = SyntheticEngine(11, capacity=250)
     real = [split_frames(m) for m in fixture_frames("s1_basic_bs32")]
@@ -190,9 +189,7 @@ async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
         assert index.blocks_of(SYN) == 250
         assert index.blocks_of(REAL) > 0
     finally:
-        follower_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await follower_task
+        await follower.stop()
         await syn_pub.close()
         await real_pub.close()
         context.destroy(linger=0)

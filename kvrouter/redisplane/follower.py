@@ -152,6 +152,7 @@ class RedisFollower:
         self._down_since: float | None = None
         self._membership_changed = False
         self._task: asyncio.Task[None] | None = None
+        self._redis: Redis | None = None
 
     # ---- health ---------------------------------------------------------------------------------------------
 
@@ -189,17 +190,33 @@ class RedisFollower:
 
     async def context(self, app: object) -> AsyncIterator[None]:
         """The application's `cleanup_ctx`: follow while the app runs."""
-        self._task = asyncio.create_task(self.run(), name="kvrouter-redis-events")
+        self.start()
         yield
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await self.stop()
+
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.create_task(self.run(), name="kvrouter-redis-events")
+        return self._task
+
+    async def stop(self) -> None:
+        """Cancel `run` and wait for it. A cancel that lands as a blocking XREAD starts can be swallowed inside
+        the client's read timeout; closing the client's sockets then ends the read at once."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=1.0)
+        if not done and self._redis is not None:
+            with contextlib.suppress(Exception):
+                await self._redis.connection_pool.disconnect(inuse_connections=True)
+            task.cancel()
+            await asyncio.wait([task], timeout=5.0)
 
     async def run(self) -> None:
         """Follow until cancelled; never raises on Redis trouble."""
         delay = self.knobs.backoff_initial_s
         while True:
-            redis = self.connect()
+            redis = self._redis = self.connect()
             try:
                 await self._session(redis)
             except _Resubscribe:
@@ -207,11 +224,17 @@ class RedisFollower:
             except (RedisError, OSError, CatchupError) as error:
                 self._went_down(error)
             finally:
-                await redis.aclose()
+                await self._close(redis)
             await self.sleep(delay * (0.5 + self.rng.random()))
             delay = min(delay * 2, self.knobs.backoff_max_s)
             if self.connected:
                 delay = self.knobs.backoff_initial_s
+
+    @staticmethod
+    async def _close(redis: Redis) -> None:
+        # Bounded: a command cancelled mid-flight can leave the client waiting on its socket timeout.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(redis.aclose(), 1.0)
 
     def _went_down(self, error: BaseException) -> None:
         if self.connected or self.last_error is None:
