@@ -49,6 +49,7 @@ from kvrouter.typedefs import ReplicaName
 log = logging.getLogger(__name__)
 
 EVENT_STREAM = "text/event-stream"
+_CANDIDATE_FIELDS = frozenset({"replica", "cached_tokens", "score"})
 _ROUTES: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -418,7 +419,12 @@ class Proxy:
                 "endpoint": endpoint,
                 "prompt_tokens": facts.prompt_tokens,
                 "candidates": [
-                    {"replica": c.replica, "cached_tokens": c.cached_tokens, "score": c.score, **c.breakdown}
+                    {
+                        "replica": c.replica,
+                        "cached_tokens": c.cached_tokens,
+                        "score": c.score,
+                        **{key: value for key, value in c.breakdown.items() if key not in _CANDIDATE_FIELDS},
+                    }
                     for c in decision.candidates
                 ],
             }
