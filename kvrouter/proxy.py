@@ -23,13 +23,11 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from multidict import CIMultiDict
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrouter.config import Settings
 from kvrouter.load import LoadBook, Ticket
@@ -37,6 +35,7 @@ from kvrouter.metrics import RouterMetrics
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
 from kvrouter.replicas import ReplicaSet, ReplicaState
 from kvrouter.routing import Router, RoutingFacts
+from kvrouter.status import StatusEndpoints
 from kvrouter.streaming import (
     REQUEST_ID_HEADER,
     UsageScanner,
@@ -49,7 +48,6 @@ from kvrouter.typedefs import ReplicaName
 log = logging.getLogger(__name__)
 
 EVENT_STREAM = "text/event-stream"
-_CANDIDATE_FIELDS = frozenset({"replica", "cached_tokens", "score"})
 _ROUTES: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -100,11 +98,12 @@ class Proxy:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_post("/debug/route", self.debug_route)
-        app.router.add_post("/debug/route/{endpoint}", self.debug_route)
+        status = StatusEndpoints(self)
+        app.router.add_get("/v1/models", status.models)
+        app.router.add_get("/health", status.health)
+        app.router.add_get("/metrics", status.prometheus)
+        app.router.add_post("/debug/route", status.debug_route)
+        app.router.add_post("/debug/route/{endpoint}", status.debug_route)
         # Unmatched paths go to a replica through a middleware rather than a catch-all route, so routes that
         # other modules register later (admin, readiness) are never shadowed.
         app.middlewares.append(self.passthrough_unmatched)
@@ -115,26 +114,26 @@ class Proxy:
             return await self.passthrough(request)
         return await handler(request)
 
-    def _session(self) -> aiohttp.ClientSession:
+    def client_session(self) -> aiohttp.ClientSession:
         assert self.session is not None, "the client session starts with the application"
         return self.session
 
     # -- guards ---------------------------------------------------------------------------------------------
 
-    def _check_client(self, request: web.Request) -> None:
+    def check_client(self, request: web.Request) -> None:
         if self.settings.api_keys and not _token_matches(_bearer(request), self.settings.api_keys):
             raise RequestError(
                 "invalid or missing API key", status=401, code="invalid_api_key", type_="authentication_error"
             )
 
-    def _check_admin(self, request: web.Request) -> None:
+    def check_admin(self, request: web.Request) -> None:
         token = self.settings.admin_token
         if token is not None and not _token_matches(_bearer(request), [token]):
             raise RequestError(
                 "admin token required", status=401, code="invalid_admin_token", type_="authentication_error"
             )
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def read_body(self, request: web.Request) -> bytes:
         limit = self.settings.max_body_bytes
         too_large = RequestError(f"request body is larger than {limit} bytes", status=413, code="request_too_large")
         if request.content_length is not None and request.content_length > limit:
@@ -160,8 +159,8 @@ class Proxy:
             return error_response(busy, request_id)
         self.active += 1
         try:
-            self._check_client(request)
-            raw = await self._read_body(request)
+            self.check_client(request)
+            raw = await self.read_body(request)
             parsed = parse_request(endpoint, raw)
             facts = await self.router.facts(parsed)
             return await self._dispatch(request, raw, parsed, facts, request_id, start)
@@ -237,7 +236,7 @@ class Proxy:
             forward_authorization=self.settings.forward_authorization,
         )
         try:
-            upstream = await self._session().post(replica.base_url + route, data=raw, headers=headers)
+            upstream = await self.client_session().post(replica.base_url + route, data=raw, headers=headers)
         except (aiohttp.ClientError, TimeoutError) as error:
             reason = f"{type(error).__name__}: {error}"
             self.replicas.record_failure(replica, reason, error)
@@ -347,110 +346,14 @@ class Proxy:
         if actual is not None:
             self.metrics.observe_cached(replica.name, predicted, actual)
 
-    # -- the rest of the API --------------------------------------------------------------------------------
-
-    async def models(self, request: web.Request) -> web.Response:
-        try:
-            self._check_client(request)
-        except RequestError as error:
-            return error_response(error)
-        session = self._session()
-        timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s + 5.0)
-
-        async def fetch(replica: ReplicaState) -> list[dict[str, Any]]:
-            try:
-                async with session.get(f"{replica.base_url}/v1/models", timeout=timeout) as response:
-                    if response.status != 200:
-                        return []
-                    payload = await response.json(content_type=None)
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                return []
-            data = payload.get("data") if isinstance(payload, dict) else None
-            return [entry for entry in data if isinstance(entry, dict)] if isinstance(data, list) else []
-
-        answers = await asyncio.gather(*(fetch(replica) for replica in self.replicas.routable()))
-        merged: dict[str, dict[str, Any]] = {}
-        for entries in answers:
-            for entry in entries:
-                merged.setdefault(str(entry.get("id")), entry)
-        if not merged and not any(answers):
-            unavailable = RequestError(
-                "no healthy replica listed its models", status=503, code="no_replica_available", type_="server_error"
-            )
-            return error_response(unavailable)
-        return web.json_response({"object": "list", "data": list(merged.values())})
-
-    async def health(self, request: web.Request) -> web.Response:
-        replicas = {}
-        for replica in self.replicas:
-            described = replica.describe()
-            described["in_flight"] = self.load.snapshot(replica.name).in_flight
-            replicas[replica.name] = described
-        routable = sum(1 for replica in self.replicas if replica.routable)
-        total = len(self.replicas.replicas)
-        status = "ok" if routable == total else "degraded" if routable else "unavailable"
-        body = {"status": status, "policy": self.router.policy.name, "replicas": replicas}
-        return web.json_response(body, status=200 if routable else 503)
-
-    async def prometheus(self, request: web.Request) -> web.Response:
-        self.replicas.update_gauges()
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def debug_route(self, request: web.Request) -> web.Response:
-        """The decision the router would make for this body, with every candidate's breakdown; sends nothing."""
-        try:
-            self._check_admin(request)
-            raw = await self._read_body(request)
-            endpoint = self._debug_endpoint(request, raw)
-            parsed = parse_request(endpoint, raw)
-            facts = await self.router.facts(parsed)
-        except RequestError as error:
-            return error_response(error)
-        candidates = self.replicas.routable()
-        if not candidates:
-            return error_response(
-                RequestError("no healthy replica is available", status=503, code="no_replica_available")
-            )
-        decision = self.router.decide(facts, [replica.route for replica in candidates])
-        return web.json_response(
-            {
-                "chosen": decision.chosen,
-                "policy": self.router.policy.name,
-                "endpoint": endpoint,
-                "prompt_tokens": facts.prompt_tokens,
-                "candidates": [
-                    {
-                        "replica": c.replica,
-                        "cached_tokens": c.cached_tokens,
-                        "score": c.score,
-                        **{key: value for key, value in c.breakdown.items() if key not in _CANDIDATE_FIELDS},
-                    }
-                    for c in decision.candidates
-                ],
-            }
-        )
-
-    @staticmethod
-    def _debug_endpoint(request: web.Request, raw: bytes) -> Endpoint:
-        named = request.match_info.get("endpoint") or request.query.get("endpoint")
-        if named is not None:
-            if named in ("chat", "chat/completions", "chat_completions"):
-                return "chat"
-            if named in ("completion", "completions"):
-                return "completion"
-            raise RequestError("endpoint must be 'chat' or 'completion'", param="endpoint")
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return "chat"  # parse_request reports the JSON problem
-        return "completion" if isinstance(body, dict) and "prompt" in body and "messages" not in body else "chat"
+    # -- everything else goes to a replica -----------------------------------------------------------------
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """Any other path goes, unchanged, to one routable replica (tokenize, detokenize, responses, ...)."""
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
-            self._check_client(request)
-            raw = await self._read_body(request) if request.body_exists else None
+            self.check_client(request)
+            raw = await self.read_body(request) if request.body_exists else None
         except RequestError as error:
             return error_response(error, request_id)
         headers = upstream_headers(
@@ -468,7 +371,7 @@ class Proxy:
             ticket = self.load.begin(replica.name, 0)
             try:
                 try:
-                    upstream = await self._session().request(
+                    upstream = await self.client_session().request(
                         request.method, replica.base_url + request.rel_url.raw_path_qs, data=raw, headers=headers
                     )
                 except (aiohttp.ClientError, TimeoutError) as error:

@@ -1,0 +1,128 @@
+"""Endpoints that look at the router rather than forward through it: /v1/models (merged from routable
+replicas), /health (the router and every replica's breaker and load), /metrics (Prometheus) and
+POST /debug/route — the decision the router would make for a request body, with every candidate's breakdown,
+computed by `Router.decide` without committing anything (guarded by `admin_token` when set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvrouter.openai_request import Endpoint, RequestError, parse_request
+
+if TYPE_CHECKING:
+    from kvrouter.proxy import Proxy
+    from kvrouter.replicas import ReplicaState
+
+_CANDIDATE_FIELDS = frozenset({"replica", "cached_tokens", "score"})
+
+
+def _error(error: RequestError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+class StatusEndpoints:
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self.proxy.check_client(request)
+        except RequestError as error:
+            return _error(error)
+        session = self.proxy.client_session()
+        timeout = aiohttp.ClientTimeout(total=self.proxy.settings.connect_timeout_s + 5.0)
+
+        async def fetch(replica: ReplicaState) -> list[dict[str, Any]]:
+            try:
+                async with session.get(f"{replica.base_url}/v1/models", timeout=timeout) as response:
+                    if response.status != 200:
+                        return []
+                    payload = await response.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return []
+            data = payload.get("data") if isinstance(payload, dict) else None
+            return [entry for entry in data if isinstance(entry, dict)] if isinstance(data, list) else []
+
+        answers = await asyncio.gather(*(fetch(replica) for replica in self.proxy.replicas.routable()))
+        merged: dict[str, dict[str, Any]] = {}
+        for entries in answers:
+            for entry in entries:
+                merged.setdefault(str(entry.get("id")), entry)
+        if not merged and not any(answers):
+            unavailable = RequestError(
+                "no healthy replica listed its models", status=503, code="no_replica_available", type_="server_error"
+            )
+            return _error(unavailable)
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    async def health(self, request: web.Request) -> web.Response:
+        replicas = {}
+        for replica in self.proxy.replicas:
+            described = replica.describe()
+            described["in_flight"] = self.proxy.load.snapshot(replica.name).in_flight
+            replicas[replica.name] = described
+        routable = sum(1 for replica in self.proxy.replicas if replica.routable)
+        total = len(self.proxy.replicas.replicas)
+        status = "ok" if routable == total else "degraded" if routable else "unavailable"
+        body = {"status": status, "policy": self.proxy.router.policy.name, "replicas": replicas}
+        return web.json_response(body, status=200 if routable else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        self.proxy.replicas.update_gauges()
+        return web.Response(
+            body=generate_latest(self.proxy.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def debug_route(self, request: web.Request) -> web.Response:
+        """The decision the router would make for this body, with every candidate's breakdown; sends nothing."""
+        try:
+            self.proxy.check_admin(request)
+            raw = await self.proxy.read_body(request)
+            endpoint = self._debug_endpoint(request, raw)
+            parsed = parse_request(endpoint, raw)
+            facts = await self.proxy.router.facts(parsed)
+        except RequestError as error:
+            return _error(error)
+        candidates = self.proxy.replicas.routable()
+        if not candidates:
+            return _error(RequestError("no healthy replica is available", status=503, code="no_replica_available"))
+        decision = self.proxy.router.decide(facts, [replica.route for replica in candidates])
+        return web.json_response(
+            {
+                "chosen": decision.chosen,
+                "policy": self.proxy.router.policy.name,
+                "endpoint": endpoint,
+                "prompt_tokens": facts.prompt_tokens,
+                "candidates": [
+                    {
+                        "replica": c.replica,
+                        "cached_tokens": c.cached_tokens,
+                        "score": c.score,
+                        **{key: value for key, value in c.breakdown.items() if key not in _CANDIDATE_FIELDS},
+                    }
+                    for c in decision.candidates
+                ],
+            }
+        )
+
+    @staticmethod
+    def _debug_endpoint(request: web.Request, raw: bytes) -> Endpoint:
+        named = request.match_info.get("endpoint") or request.query.get("endpoint")
+        if named is not None:
+            if named in ("chat", "chat/completions", "chat_completions"):
+                return "chat"
+            if named in ("completion", "completions"):
+                return "completion"
+            raise RequestError("endpoint must be 'chat' or 'completion'", param="endpoint")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return "chat"  # parse_request reports the JSON problem
+        return "completion" if isinstance(body, dict) and "prompt" in body and "messages" not in body else "chat"
