@@ -66,8 +66,8 @@ def request_sequence(seed: int) -> list[tuple[str, str, dict[str, Any]]]:
     ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def simulated_replica(tiny_model: Path, vllm_workdir: Path) -> Iterator[str]:
+def start_simulator(tiny_model: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`kvrouter sim` with one cpu-tiny replica sized like the real ones; (process, base URL) once healthy."""
     port, kv_port = free_port(), free_port()
     command = [
         sys.executable, "-m", "kvrouter.cli", "sim",
@@ -82,24 +82,37 @@ def simulated_replica(tiny_model: Path, vllm_workdir: Path) -> Iterator[str]:
         "--max-model-len", str(MAX_MODEL_LEN),
         "--log-level", "warning",
     ]  # fmt: skip
-    log_path = vllm_workdir / "sim-cpu-tiny.log"
     env = {key: value for key, value in os.environ.items() if not key.startswith("KVROUTER_")}
     with log_path.open("ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"kvrouter sim exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if http_call("GET", f"{url}/health", timeout=2).status == 200:
+                return process, url
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"kvrouter sim not healthy after 60 s:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def simulated_replica(tiny_model: Path, vllm_workdir: Path) -> Iterator[str]:
+    log_path = vllm_workdir / "sim-cpu-tiny.log"
+    for attempt in range(3):
+        try:
+            process, url = start_simulator(tiny_model, log_path)
+            break
+        except RuntimeError as error:
+            # The ports were free when picked; another process on the machine may have bound one since.
+            if attempt == 2 or "Address already in use" not in str(error):
+                raise
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"kvrouter sim exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if http_call("GET", f"{url}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvrouter sim not healthy after 60 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.25)
         yield url
     finally:
         process.terminate()

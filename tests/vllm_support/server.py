@@ -219,13 +219,26 @@ class VllmServer:
         return self.wait_healthy(timeout_s)
 
 
-def start_all(servers: list[VllmServer], timeout_s: float = 420.0) -> None:
-    """Start every server at once (startup is mostly single-threaded import work) and wait for all."""
+def start_all(servers: list[VllmServer], timeout_s: float = 420.0, attempts: int = 3) -> None:
+    """Start every server at once (startup is mostly single-threaded import work) and wait for all.
+
+    Ports are picked free but bound only seconds later, so another process on the machine can take one first;
+    a server that dies of "Address already in use" is started again on fresh ports.
+    """
     for server in servers:
         server.start()
     try:
         for server in servers:
-            server.wait_healthy(timeout_s)
+            for attempt in range(attempts):
+                try:
+                    server.wait_healthy(timeout_s)
+                    break
+                except RuntimeError:
+                    if attempt + 1 == attempts or "Address already in use" not in server.log_tail(200):
+                        raise
+                    server.stop()
+                    server.port, server.events_port, server.replay_port = free_port(), free_port(), free_port()
+                    server.start()
     except BaseException:
         for server in servers:
             server.stop()
