@@ -53,20 +53,40 @@ def _ttft_cdf(plt: Any, path: Path, rows: Sequence[RowData], scale: float) -> Pa
 
 def _ttft_over_time(plt: Any, path: Path, rows: Sequence[RowData], scale: float) -> Path:
     figure, axes = plt.subplots(figsize=(9, 4.5))
-    for row in rows:
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, row in enumerate(rows):
+        color = colors[index % len(colors)]
         points = sorted((r["start_s"] * scale, r["ttft_s"] * scale) for r in _ok_ttft(row))
         if points:
-            axes.scatter([p[0] for p in points], [p[1] for p in points], s=6, alpha=0.5, label=row.name)
+            axes.scatter([p[0] for p in points], [p[1] for p in points], s=5, alpha=0.3, color=color)
+            windows = _window_p90(points)
+            axes.plot([w[0] for w in windows], [w[1] for w in windows], color=color, lw=2, label=f"{row.name} (p90)")
     axes.set_yscale("log")
     axes.set_xlabel("request start (s since the load began)")
     axes.set_ylabel("TTFT (s, log scale)")
     axes.set_title("TTFT over time")
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(markerscale=3)
+    axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def _window_p90(points: Sequence[tuple[float, float]], windows: int = 30) -> list[tuple[float, float]]:
+    """p90 of TTFT in consecutive time windows, for a line over the scatter."""
+    if not points:
+        return []
+    start, end = points[0][0], points[-1][0]
+    width = max((end - start) / windows, 1e-9)
+    buckets: dict[int, list[float]] = {}
+    for at, value in points:
+        buckets.setdefault(min(windows - 1, int((at - start) / width)), []).append(value)
+    result = []
+    for index in sorted(buckets):
+        values = sorted(buckets[index])
+        result.append((start + (index + 0.5) * width, values[max(0, int(0.9 * len(values) + 0.5) - 1)]))
+    return result
 
 
 def _replica_load(plt: Any, path: Path, rows: Sequence[RowData], scale: float) -> Path:
