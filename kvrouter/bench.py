@@ -111,7 +111,7 @@ class BenchPlan:
             "users": self.users,
             "slo_ttft_s": self.slo_ttft_s,
             "rows": {row.name: f"{row.kind}: {row.value}" for row in self.rows},
-            "command": " ".join(sys.argv),
+            "command": "kvrouter " + " ".join(sys.argv[1:]),
         }
 
 
