@@ -153,6 +153,7 @@ class RedisFollower:
         self._membership_changed = False
         self._task: asyncio.Task[None] | None = None
         self._redis: Redis | None = None
+        self._stopping = False
 
     # ---- health ---------------------------------------------------------------------------------------------
 
@@ -204,6 +205,7 @@ class RedisFollower:
         task, self._task = self._task, None
         if task is None:
             return
+        self._stopping = True
         task.cancel()
         done, _ = await asyncio.wait([task], timeout=1.0)
         if not done and self._redis is not None:
@@ -237,7 +239,7 @@ class RedisFollower:
             await asyncio.wait_for(redis.aclose(), 1.0)
 
     def _went_down(self, error: BaseException) -> None:
-        if self.connected or self.last_error is None:
+        if (self.connected or self.last_error is None) and not self._stopping:
             log.warning("redis event source unavailable: %s", error)
         self.connected = False
         self.failures += 1
