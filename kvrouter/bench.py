@@ -347,17 +347,26 @@ def execute(plan: BenchPlan, say: Any = print) -> dict[str, Any]:
     scheduled = count_requests(sessions)
     say(f"workload {plan.workload}: {len(sessions)} sessions, {scheduled} requests over {plan.params.duration_s:.0f} s")
     rows: list[RowData] = []
+    failed: dict[str, str] = {}
     report: dict[str, Any] = {}
     for spec in plan.rows:
-        rows.append(run_row(plan, spec, scheduled, say))
+        try:
+            rows.append(run_row(plan, spec, scheduled, say))
+        except FleetError as error:
+            # One router that does not start (another project's, say) must not cost the other rows.
+            say(f"[{spec.name}] failed: {error}")
+            failed[spec.name] = str(error)
         report = {
             "parameters": plan.parameters(),
             "baseline": plan.rows[0].name,
             "results": {
                 row.name: summarize(row, time_scale=plan.time_scale, slo_ttft_s=plan.slo_ttft_s) for row in rows
             },
+            "failed": failed,
         }
         write_report(plan.out, report)  # after every row, so an interrupted run keeps what it measured
+    if not rows:
+        raise FleetError("no row ran: " + "; ".join(f"{name}: {text}" for name, text in failed.items()))
     try:
         write_plots(plan.out, rows, time_scale=plan.time_scale)
     except ImportError:

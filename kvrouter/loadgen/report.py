@@ -204,6 +204,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 f"| {name} | {replica} | {_pct(v.get('share'))} | {_pct(v.get('hit_rate'))} | {_pct(v.get('busy'))} "
                 f"| {_fmt(v.get('queue_mean'), 1)} | {_fmt(v.get('queue_max'), 0)} | {_pct(v.get('kv_usage_max'))} |"
             )
+    for name, reason in (report.get("failed") or {}).items():
+        lines += ["", f"{name}: did not run ({reason.splitlines()[0] if reason else 'no reason'})."]
     lags = ", ".join(f"{name} {_fmt(r.get('load_generator_lag_p99_wall_s'), 2)} s" for name, r in rows.items())
     lines += ["", f"Load generator lateness (p99 of send time minus scheduled time, wall seconds): {lags}."]
     lines += ["", "Parameters:", ""]
