@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hot-share", type=float, default=0.0, help="Hot-spot variant: share of requests (0 = off).")
     parser.add_argument("--hot-start", type=float, default=1 / 3, help="Hot-spot start, fraction of the trace.")
     parser.add_argument("--hot-prefix-blocks", type=int, default=16, help="Hot tenant prefix, in trace blocks.")
+    parser.add_argument("--replicate", action="store_true", help="Warm hot prefixes on a spare replica.")
+    parser.add_argument("--drain-at", type=float, default=None, help="Drain the last engine at this virtual second.")
+    parser.add_argument("--drain-warm", type=int, default=0, help="Hottest prefixes to warm elsewhere before it.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the trace's token ids.")
     parser.add_argument("--no-floor", action="store_true", help="Skip the idle-engine floor computation.")
     parser.add_argument(
@@ -149,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
         feedback=settings.kv_feedback,
         survival=settings.kv_survival,
         lost_removals=args.lost_removals,
+        replicate=args.replicate,
+        drain_at_s=args.drain_at,
+        drain_warm=args.drain_warm,
     )
     floors = None if args.no_floor else floor_ttfts(trace.requests, prompts, engine_factory)
 
@@ -183,9 +189,12 @@ def run(args: argparse.Namespace) -> int:
         "scrape_interval_s": args.scrape_interval,
         "overrides": args.overrides,
         "lost_removals": args.lost_removals,
+        "replicate": args.replicate,
+        "drain": {"at_s": args.drain_at, "warm": args.drain_warm},
         "hot_spot": {"share": args.hot_share, "start": args.hot_start, "prefix_blocks": args.hot_prefix_blocks},
         "prepare_s": round(prepared_s, 3),
         "replay_cpu_s": {name: round(seconds, 3) for name, seconds in timings.items()},
+        "warmups": {result.policy: result.warmups for result in results},
         "wall_s": round(time.perf_counter() - started, 3),
     }
     if args.json:
@@ -198,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
             + f", wall {time.perf_counter() - started:.1f} s in all"
         )
         print(table(summaries))
+        if any(result.warmups for result in results):
+            print("warm-ups sent: " + ", ".join(f"{result.policy} {result.warmups}" for result in results))
     if args.out is not None:
         write_outputs(args.out, results, summaries, floors, meta)
         print(f"wrote {args.out}/report.json, report.md, requests_*.csv, ttft_cdf.png")

@@ -12,8 +12,12 @@ before scrapes and arrivals, and passes start last, so simultaneous arrivals sha
 Options beyond the plain router: `feedback` puts `FeedbackLookup` (kvrouter/feedback.py) between the router and
 the index and reports each request's `StepResult.cached_tokens` to it; `survival` puts `SurvivalLookup`
 (kvrouter/survival.py) there, fed the same KV events as the index; a policy with `observe_ttft` (kv_aware) is told
-each first token. `lost_removals` drops that share of the first engine's `BlockRemoved` events on their way to the
-router (a lossy event path: its index keeps blocks the engine no longer has).
+each first token. `replicate` sends the warm-ups `HotPrefixReplicator` (kvrouter/replication.py) asks for after a
+decision; `drain_at_s` takes the last engine out of routing at that time (it finishes what it has), after warming
+its `drain_warm` hottest prefixes on the others. A warm-up is a 1-token request carrying the prefix: it counts in
+the load book and marks provisional entries like a routed request, and is left out of the results.
+`lost_removals` drops that share of the first engine's `BlockRemoved` events on their way to the router (a lossy
+event path: its index keeps blocks the engine no longer has).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kvrouter.load import EngineGauges, LoadBook, Ticket
 from kvrouter.policies.base import Policy
 from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog, SizedPrompt
 from kvrouter.replay.trace import TraceRequest
+from kvrouter.replication import HotPrefixReplicator, PrefixHeat
 from kvrouter.routing import PrefixLookup, Route, Router, RoutingFacts
 from kvrouter.sim.model import CacheCleared, EngineModel, EngineRequest, KvEvent, RemovedBlocks, StepResult
 from kvrouter.survival import SurvivalConfig, SurvivalLookup
@@ -36,7 +41,7 @@ from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
 
 EngineFactory = Callable[[], EngineModel]
 
-_PASS_END, _KV_EVENTS, _SCRAPE, _ARRIVAL, _PASS_START = range(5)
+_PASS_END, _KV_EVENTS, _SCRAPE, _DRAIN, _ARRIVAL, _PASS_START = range(6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,9 @@ class ReplayOptions:
     survival: bool = False
     lost_removals: float = 0.0
     """Share of engine-0's BlockRemoved events never delivered (evenly spread, deterministic)."""
+    replicate: bool = False
+    drain_at_s: float | None = None
+    drain_warm: int = 0
 
 
 @dataclass(slots=True)
@@ -83,6 +91,7 @@ class ReplayResult:
     replicas: list[str]
     passes: int = 0
     end_time: float = 0.0
+    warmups: int = 0
 
 
 @dataclass(slots=True)
@@ -150,6 +159,12 @@ class Replay:
         if block_size != catalog.block_size:
             raise ValueError(f"the engines' block size {block_size} differs from the prompts' {catalog.block_size}")
         self.routes = [Route(engine.name, block_size) for engine in self.engines]
+        self._route_of = {route.name: route for route in self.routes}
+        self.replicator = HotPrefixReplicator() if self.options.replicate else None
+        self.heat = PrefixHeat() if self.options.drain_warm > 0 else None
+        self._heat_source: dict[BlockKey, int] = {}
+        self.warmups: list[tuple[float, str, int]] = []
+        """(time, replica, blocks) of every warm-up sent."""
         self._by_name = {engine.name: engine for engine in self.engines}
         self._heap: list[tuple[float, int, int, object]] = []
         self._sequence = 0
@@ -172,6 +187,8 @@ class Replay:
         self._unfinished = len(self.requests)
         if self.options.scrape_interval_s > 0:
             self._push(0.0, _SCRAPE, None)
+        if self.options.drain_at_s is not None:
+            self._push(self.options.drain_at_s, _DRAIN, None)
         heap = self._heap
         while heap:
             time, kind, _, payload = heapq.heappop(heap)
@@ -187,10 +204,13 @@ class Replay:
                 self._apply_events(engine.name, events)
             elif kind == _SCRAPE:
                 self._scrape()
+            elif kind == _DRAIN:
+                self._drain()
         result = self._result
         result.records = [self._records[str(request.index)] for request in self.requests]
         result.passes = sum(engine.passes for engine in self.engines)
         result.end_time = self.now
+        result.warmups = len(self.warmups)
         return result
 
     # -- handlers --------------------------------------------------------------------------------------------
@@ -206,10 +226,19 @@ class Replay:
         )
         decision = self.router.decide(facts, self.routes)
         engine = self._by_name[decision.chosen]
-        ticket = self.router.commit(decision, facts, self.routes[self.engines.index(engine)])
+        ticket = self.router.commit(decision, facts, self._route_of[engine.name])
         request_id = str(request.index)
         self._tickets[request_id] = ticket
         chosen = decision.score_of(decision.chosen)
+        if chosen is not None and self.heat is not None:
+            cached_blocks = chosen.cached_tokens // block_size
+            self.heat.record(engine.name, prepared.keys, cached_blocks, self.now)
+            if cached_blocks >= self.heat.min_blocks:
+                self._heat_source[prepared.keys[cached_blocks - 1]] = position
+        if self.replicator is not None:
+            warm = self.replicator.consider(decision, prepared.keys, block_size, self.now)
+            if warm is not None:
+                self._warm(warm.replica, position, warm.blocks)
         self._positions[request_id] = position
         if chosen is not None and "cache_weight" in chosen.breakdown:
             self._weights[request_id] = chosen.breakdown["cache_weight"]
@@ -255,31 +284,67 @@ class Replay:
         records = self._records
         feedback = self.feedback
         for request_id, cached in result.cached_tokens.items():
-            record = records[request_id]
+            record = records.get(request_id)
+            if record is None:
+                continue  # a warm-up
             record.cached_tokens = cached
             if feedback is not None:
                 keys = self.prompts[self._positions[request_id]].keys
                 feedback.observe(engine.name, keys, record.predicted_cached, cached, self.catalog.block_size, now)
         for request_id in result.preempted:
-            records[request_id].preemptions += 1
+            if request_id in records:
+                records[request_id].preemptions += 1
         observe_ttft = getattr(self.policy, "observe_ttft", None)
         for request_id in result.first_tokens:
-            record = records[request_id]
-            record.first_token = now
             self.load.first_token(self._tickets[request_id])
+            record = records.get(request_id)
+            if record is None:
+                continue
+            record.first_token = now
             weight = self._weights.pop(request_id, None)
             if observe_ttft is not None and weight is not None:
                 observe_ttft(weight, now - record.arrival, record.prompt_tokens)
         for request_id in result.finished:
-            records[request_id].finish = now
             self.load.finish(self._tickets.pop(request_id))
-            self._unfinished -= 1
+            record = records.get(request_id)
+            if record is not None:
+                record.finish = now
+                self._unfinished -= 1
         if result.events:
             if self.options.event_delay_s > 0:
                 self._push(now + self.options.event_delay_s, _KV_EVENTS, (engine, result.events))
             else:
                 self._apply_events(engine.name, result.events)
         self._queue_start(engine)
+
+    def _warm(self, replica: ReplicaName, position: int, blocks: int) -> None:
+        """Compute the first `blocks` blocks of request `position`'s prompt on `replica` (one output token)."""
+        prepared = self.prompts[position]
+        blocks = min(blocks, len(prepared.engine_hashes), len(prepared.keys))
+        if blocks <= 0:
+            return
+        engine = self._by_name[replica]
+        tokens = blocks * self.catalog.block_size
+        request_id = f"warm-{len(self.warmups)}"
+        self.warmups.append((self.now, str(replica), blocks))
+        self._tickets[request_id] = self.load.begin(replica, tokens)
+        if self.router.index is not None:
+            self.router.index.add_provisional(replica, prepared.keys[:blocks], self.now)
+        engine.model.add(EngineRequest(request_id, tokens, prepared.engine_hashes[:blocks], 1, self.now))
+        self._queue_start(engine)
+
+    def _drain(self) -> None:
+        """The last engine leaves routing; its hottest prefixes are warmed first where they are missing."""
+        leaving = self.engines[-1].name
+        self.routes = [route for route in self.routes if route.name != leaving]
+        if self.heat is None or not self.routes or self.router.index is None:
+            return
+        for keys in self.heat.hottest(leaving, self.options.drain_warm, self.now):
+            held = self.router.index.longest_prefixes(keys, self.now)
+            if any(held[route.name].blocks >= len(keys) for route in self.routes if route.name in held):
+                continue
+            target = min(self.routes, key=lambda route: self.load.snapshot(route.name).pending_prefill_tokens)
+            self._warm(target.name, self._heat_source[keys[-1]], len(keys))
 
     def _lost(self, replica: ReplicaName) -> bool:
         """Whether this BlockRemoved event from `replica` is one the lossy event path drops."""
