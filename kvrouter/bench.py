@@ -91,7 +91,7 @@ class BenchPlan:
     def parameters(self) -> dict[str, Any]:
         p = self.params
         scale = self.time_scale
-        return {
+        common: dict[str, Any] = {
             "workload": self.workload,
             "replicas": self.replicas,
             "profile": self.profile,
@@ -99,15 +99,25 @@ class BenchPlan:
             "wall_duration_s": p.duration_s,
             "engine_duration_s": p.duration_s * scale,
             "seed": p.seed,
-            "rate_per_engine_s": p.rate / scale,
-            "tenants": p.tenants,
-            "system_tokens": p.system_tokens,
-            "output_tokens": p.output_tokens,
-            "turns": p.turns,
-            "think_engine_s": p.think_s * scale,
-            "trace": str(p.trace) if p.trace else None,
-            "trace_speedup_engine": p.trace_speedup / scale,
-            "trace_start_s": p.trace_start_s,
+        }
+        if p.trace is not None:
+            knobs: dict[str, Any] = {
+                "trace": str(p.trace),
+                "trace_speedup_engine": p.trace_speedup / scale,
+                "trace_start_s": p.trace_start_s,
+            }
+        else:
+            knobs = {
+                "rate_per_engine_s": p.rate / scale,
+                "tenants": p.tenants,
+                "system_tokens": p.system_tokens,
+                "output_tokens": p.output_tokens,
+                "turns": p.turns,
+                "think_engine_s": p.think_s * scale,
+            }
+        return {
+            **common,
+            **knobs,
             "users": self.users,
             "slo_ttft_s": self.slo_ttft_s,
             "rows": {row.name: f"{row.kind}: {row.value}" for row in self.rows},
