@@ -83,7 +83,8 @@ class IndexIngest:
             elif isinstance(event, BlockRemoved):
                 self._count(replica, "BlockRemoved", self._removed(replica, batch.dp_rank, event))
             elif isinstance(event, AllBlocksCleared):
-                self.index.clear(replica, dp_rank=batch.dp_rank)
+                # A restart also voids the provisional marks of requests the dead engine took (`dp_rank=None`).
+                self.index.clear(replica, dp_rank=None if event.restart else batch.dp_rank)
                 self._count(replica, "AllBlocksCleared", "restart" if event.restart else "ok")
 
     def _stored(self, replica: ReplicaName, rank: int, event: BlockStored) -> str:
