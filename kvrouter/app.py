@@ -38,6 +38,7 @@ from kvrouter.redisplane.wiring import build_follower
 from kvrouter.replicas import ReplicaSet
 from kvrouter.routing import PrefixLookup, PromptTokenizer, Router
 from kvrouter.tokenization import HfPromptTokenizer
+from kvrouter.typedefs import ReplicaName
 
 CleanupContext = Callable[[web.Application], AsyncIterator[None]]
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ def create_app(
         clock=clock,
     )
     replicas = ReplicaSet(fleet, settings, load, metrics, clock)
+    if prefix.index is not None:
+        replicas.on_gone = _forget_blocks(prefix.index)
     proxy = Proxy(settings=settings, router=router, replicas=replicas, load=load, metrics=metrics, clock=clock)
     app[SETTINGS] = settings
     app[FLEET] = fleet
@@ -144,6 +147,17 @@ def create_app(
     app.cleanup_ctx.append(_replica_watch)
     app.cleanup_ctx.extend(prefix.contexts)
     return app
+
+
+def _forget_blocks(index: PrefixLookup) -> Callable[[ReplicaName], None]:
+    def forget(replica: ReplicaName) -> None:
+        if not isinstance(index, PrefixIndex):
+            return
+        if index.blocks_of(replica):
+            log.warning("replica %s refused a connection: its engine is gone, and with it the blocks it held", replica)
+        index.clear(replica)
+
+    return forget
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:

@@ -143,6 +143,9 @@ class ReplicaSet:
         self._clock = clock
         self.draining: set[ReplicaName] = set()
         """Drained by an operator (kvrouter.admin): healthy, but no new request goes there."""
+        self.on_gone: Callable[[ReplicaName], None] | None = None
+        """Called when a replica refuses a connection: nothing listens at its address, so its process and the
+        KV cache it held are gone (the app drops the replica's prefix-index entries)."""
 
     def __iter__(self) -> Iterator[ReplicaState]:
         return iter(self.replicas)
@@ -167,9 +170,11 @@ class ReplicaSet:
         self.draining.discard(name)
         return state
 
-    def record_failure(self, replica: ReplicaState, reason: str) -> None:
+    def record_failure(self, replica: ReplicaState, reason: str, error: BaseException | None = None) -> None:
         if replica.record_failure(reason):
             self._metrics.breaker_opens.labels(replica.name).inc()
+        if self.on_gone is not None and _refused(error):
+            self.on_gone(replica.name)
 
     def for_passthrough(self, exclude: Sequence[ReplicaName] = ()) -> ReplicaState | None:
         """A replica for a path the router does not route (tokenize, ...): the least busy, rotating ties."""
@@ -198,12 +203,15 @@ class ReplicaSet:
                 reason = f"health probe answered {response.status}"
         except (aiohttp.ClientError, TimeoutError) as error:
             ok, reason = False, f"health probe failed: {type(error).__name__}: {error}"
+            failure: BaseException | None = error
+        else:
+            failure = None
         replica.last_probe_ok = ok
         if ok:
             replica.record_success()
         else:
             self._metrics.probe_failures.labels(replica.name).inc()
-            self.record_failure(replica, reason)
+            self.record_failure(replica, reason, failure)
         return ok
 
     async def run_probes(self, session: aiohttp.ClientSession) -> None:
@@ -231,6 +239,10 @@ class ReplicaSet:
         while True:
             await asyncio.gather(*(self.scrape(session, r) for r in self.replicas if r.routable))
             await asyncio.sleep(self._settings.metrics_interval_s)
+
+
+def _refused(error: BaseException | None) -> bool:
+    return isinstance(error, aiohttp.ClientConnectorError) and isinstance(error.os_error, ConnectionRefusedError)
 
 
 WAITING = "vllm:num_requests_waiting"
