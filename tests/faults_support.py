@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -40,6 +41,12 @@ asyncio.run(main())
 """
 
 
+def _free_ports(count: int) -> int:
+    """A base port with `count` free ports after it; a random start, so processes made one after another (before
+    any of them binds) get different ports."""
+    return free_port_range(count, start=random.randrange(20000, 50000))
+
+
 def _wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -61,7 +68,7 @@ class ReplicaProcess:
     def __init__(self, name: str, **behaviour: Any) -> None:
         self.name = name
         self.behaviour = behaviour
-        self.port = free_port_range(1)
+        self.port = _free_ports(1)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -89,7 +96,7 @@ class SimProcess:
         self.name = name
         self.work = work
         self.block_size = block_size
-        self.base_port = free_port_range(4)
+        self.base_port = _free_ports(4)
         self.process: subprocess.Popen[bytes] | None = None
         self.replicas_file = work / f"{name}.yaml"
         self.starts = 0
@@ -108,6 +115,9 @@ class SimProcess:
         log = (self.work / f"{self.name}-{self.starts}.log").open("wb")
         self.process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         _wait_http(self.url + "/health", self.process, 60, f"sim {self.name}")
+        deadline = time.monotonic() + 30
+        while not self.replicas_file.is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return self
 
     def replica_entry(self) -> dict[str, Any]:
