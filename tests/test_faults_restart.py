@@ -100,9 +100,8 @@ async def test_restart_seen_in_the_event_sequence_voids_the_old_credit(
     restarts: float | None = None
     for attempt in range(50):
         other = {**PROMPT, "messages": [{"role": "user", "content": f"unrelated question {attempt} " * 20}]}
-        async with aiohttp.ClientSession() as session:
-            async with session.post(sim.url + "/v1/chat/completions", json=other) as direct:
-                assert direct.status == 200
+        async with aiohttp.ClientSession() as session, session.post(sim.url + "/v1/chat/completions", json=other) as r:
+            assert r.status == 200
         restarts = await metric_value(
             client, "kvrouter_kv_events_total", replica=holder, type="AllBlocksCleared", status="restart"
         )
