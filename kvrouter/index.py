@@ -1,27 +1,31 @@
 """The prefix index: which replica holds which block, and how much of a prompt each replica holds (pure, sync).
 
 Layout. Every event source — a (replica, data-parallel rank) pair — gets a bit; so does each replica's
-provisional slot. One dict per tier maps a `BlockKey` to the bitmask of sources holding it there, and each source
+provisional slot. One dict per tier maps a `BlockKey` to the bitmask of sources holding it there (provisional
+marks are bits in the GPU dict, so a lookup probes one dict however many marks are live), and each source
 keeps its own engine-hash -> key dict so a `BlockRemoved` (which names only the engine's hash) maps back. The key
 int is shared by both dicts, and masks of up to eight sources are CPython's cached small ints, so a tracked block
 costs two dict slots and two 64-bit ints: ~140 bytes, less per replica when replicas share blocks (measured by
 loadtest/bench_index.py; see docs/benchmarks.md).
 
-Lookup. `longest_prefixes` maps the request's keys to masks with C-level `map(dict.get)` in growing chunks; a
-chunk whose masks all equal the set of sources still matching costs one `list.count`, otherwise the masks are
-AND-accumulated (`itertools.accumulate`) and each source's drop-out point found by bisecting the non-increasing
-accumulated masks — so the Python-level work is per replica, not per block, and it stops at the first chunk
-where no source is left. A replica's prefix is the longest over its sources (a request lands on one
-DP rank; a block in any tier of that rank counts, `gpu_blocks` counts only GPU and provisional blocks).
+Lookup. `longest_prefixes` probes the request's keys with C-level `map(dict.get)` in growing chunks (64 keys,
+then 8x more) and stops at the first chunk where no source is left, so the Python-level work is per drop point
+(where some source stops matching), not per block. While every source sits below bit 8 (up to 8 sources: four
+replicas with their provisional slots) a chunk is probed straight into a `bytearray`, and each drop point is
+found in C with `bytes.translate` (keep the bits of the sources still in) and `lstrip` (skip the run where they
+all match). Up to 64 sources, the chunk's masks are AND-accumulated by numpy and visited only where the
+accumulated set changes; beyond that, `itertools.accumulate` and a bisection do the same. A replica's prefix is
+the longest over its sources (a request lands on one DP rank; a block in any tier of that rank counts,
+`gpu_blocks` counts only GPU and provisional blocks).
 
 Provisional entries (`add_provisional`) mark a routed request's keys on its replica for `provisional_ttl_s`, so
 a burst of siblings follows the first before the engine's events arrive. The engine's `BlockStored` makes a
 block real; the mark itself simply lapses at its TTL (dropping it early would cut a provisional prefix in two
 while its tail is still being computed). Expiry is lazy, against the `now` callers pass.
 
-Knobs: `provisional_ttl_s`; `max_blocks` (optional budget of tracked keys: beyond it the least recently stored
-or matched key is evicted from every replica, a chain's tail before its head — an evicted block is merely
-under-predicted).
+Knobs: `provisional_ttl_s`; `max_blocks` (optional budget of tracked keys, provisional marks' keys included:
+beyond it the least recently stored or matched key is evicted from every replica, a chain's tail before its
+head — an evicted block is merely under-predicted).
 """
 
 from __future__ import annotations
@@ -71,7 +75,6 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self._tiers: tuple[dict[BlockKey, int], ...] = tuple({} for _ in _TIERS)
         self._gpu = self._tiers[Tier.GPU]
-        self._provisional: dict[BlockKey, int] = {}
         self._sources: dict[tuple[ReplicaName, int], _Source] = {}
         self._by_bit: dict[int, _Source] = {}
         self._free_bits: list[int] = []
@@ -188,7 +191,7 @@ class PrefixIndex:
         bit = source.bit
         clear = ~bit
         if source.rank == _PROVISIONAL_RANK:
-            tables: Iterable[dict[BlockKey, int]] = (self._provisional,)
+            tables: Iterable[dict[BlockKey, int]] = (self._gpu,)
             keys: Iterable[BlockKey] = source.provisional_until
         else:
             tables = self._tiers
@@ -212,12 +215,15 @@ class PrefixIndex:
         self._expire(now)
         source = self._source(replica, _PROVISIONAL_RANK)
         until = now + self.provisional_ttl_s
-        table = self._provisional
+        table = self._gpu
         # This runs for every routed request, so it stays in C: no Python-level step per key.
         bits = map(operator.or_, map(table.get, keys, _ZEROS), itertools.repeat(source.bit))
         table.update(zip(keys, bits, strict=True))
         source.provisional_until.update(zip(keys, itertools.repeat(until)))
         self._expiries.append((until, source, tuple(keys)))
+        if self.max_blocks is not None:
+            self._touch(keys)  # most recent now, the chain's tail before its head
+            self._enforce_budget(self.max_blocks)
 
     def _expire(self, now: float) -> None:
         expiries = self._expiries
@@ -229,7 +235,7 @@ class PrefixIndex:
             # Keys marked again since are not due yet; the rest lose the mark and the replica's bit.
             due = list(itertools.compress(keys, map(now.__ge__, map(marks.get, keys, _NEVER))))
             _consume(map(marks.pop, due, _NONES))
-            table = self._provisional
+            table = self._gpu
             masks = list(map(operator.and_, map(table.get, due, _ZEROS), itertools.repeat(~source.bit)))
             table.update(itertools.compress(zip(due, masks, strict=True), masks))
             _consume(map(table.pop, itertools.compress(due, map(operator.not_, masks)), _NONES))
@@ -273,7 +279,7 @@ class PrefixIndex:
             return {}
         self._expire(now)
         lower = [t for t in self._tiers[1:] if t]
-        gpu_tables = [self._gpu, self._provisional] if self._provisional else [self._gpu]
+        gpu_tables = [self._gpu]
         gpu_lengths = self._prefix_lengths(keys, gpu_tables)
         any_lengths = self._prefix_lengths(keys, gpu_tables + lower) if lower else gpu_lengths
         result: dict[ReplicaName, PrefixMatch] = {}
@@ -350,9 +356,16 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         """Distinct keys tracked (any tier, provisional marks excluded)."""
-        if not any(self._tiers[1:]):
-            return len(self._gpu)
-        return len(set().union(*self._tiers))
+        marks = 0
+        for source in self._sources.values():
+            if source.rank == _PROVISIONAL_RANK:
+                marks |= source.bit
+        if not marks:
+            if not any(self._tiers[1:]):
+                return len(self._gpu)
+            return len(set().union(*self._tiers))
+        held = {key for key, mask in self._gpu.items() if mask & ~marks}
+        return len(held.union(*self._tiers[1:]))
 
 
 def _chunk_masks(chunk: Sequence[BlockKey], tables: Sequence[dict[BlockKey, int]]) -> list[int]:

@@ -8,7 +8,8 @@ keys, ingest and lookup are timed in CPU time of the benchmark thread (per-core 
   turn's render cached: only the new tail is tokenized) and an exact repeat;
 * block keys per 1k tokens (block size 16) vs. a bare xxh3 over the same bytes;
 * ingest in blocks/s from vLLM-format msgpack batches (decode + keys + index) and index-only, vs. a dict insert;
-* lookup of a 512-block prompt over 4 and 64 replicas (p50, p99) vs. a per-key loop over a dict of sets;
+* lookup of a 512-block prompt over 4 and 64 replicas (p50, p99) vs. a per-key loop over a dict of sets, and
+  over 4 replicas that also carry provisional marks of recently routed requests ("4 + marks");
 * bytes per tracked block (tracemalloc) for one replica and for four replicas sharing the blocks.
 Targets: >= 1M blocks/s ingested per core, <= 20 us lookup p50, <= 64 bytes per block.
 """
@@ -208,7 +209,7 @@ def bench_lookup(repeat: int, background: int) -> None:
     rng = random.Random(3)
     print("\n## lookup of a 512-block prompt (us of CPU time)")
     print(f"{'replicas':>9} {'p50':>8} {'p99':>8} {'baseline p50':>13}  (baseline: per-key loop over dict of sets)")
-    for replicas in (4, 64):
+    for replicas, marked in ((4, False), (4, True), (64, False)):
         index = PrefixIndex()
         reference: dict[int, set[str]] = {}
         prompt = [BlockKey(rng.getrandbits(64)) for _ in range(512)]
@@ -220,6 +221,15 @@ def bench_lookup(repeat: int, background: int) -> None:
             index.store_keys(name, [EngineBlockHash(rng.getrandbits(64)) for _ in blocks], blocks)
             for key in blocks:
                 reference.setdefault(key, set()).add(name)
+        if marked:
+            # A live router's steady state: every replica carries provisional marks of recently routed requests
+            # (a source bit each), and this prompt's first half was just routed to r0.
+            for name in names:
+                for _ in range(8):
+                    index.add_provisional(name, [BlockKey(rng.getrandbits(64)) for _ in range(512)], 0.0)
+            index.add_provisional(names[0], prompt[:256], 0.0)
+            for key in prompt[:256]:
+                reference.setdefault(key, set()).add(names[0])
 
         def naive(prompt: list[BlockKey] = prompt, reference: dict[int, set[str]] = reference) -> dict[str, int]:
             lengths: dict[str, int] = {}
@@ -237,9 +247,8 @@ def bench_lookup(repeat: int, background: int) -> None:
         assert {r: m.blocks for r, m in result.items()} == naive()
         samples = timed(partial(index.longest_prefixes, prompt, 0.0), repeat)
         base = timed(naive, max(50, repeat // 10))
-        print(
-            f"{replicas:>9} {median_us(samples):>8.1f} {percentile_us(samples, 0.99):>8.1f} {median_us(base):>13.1f}"
-        )
+        label = f"{replicas} + marks" if marked else str(replicas)
+        print(f"{label:>9} {median_us(samples):>8.1f} {percentile_us(samples, 0.99):>8.1f} {median_us(base):>13.1f}")
 
 
 # ---- memory -------------------------------------------------------------------------------------------------

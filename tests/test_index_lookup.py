@@ -58,3 +58,19 @@ def test_provisional_and_lower_tiers_mix_with_long_prompts() -> None:
     index.store_keys(b, [EngineBlockHash(k) for k in prompt[:20]], prompt[:20])
     assert dict(index.longest_prefixes(prompt, 1.0)) == {a: PrefixMatch(450, 300), b: PrefixMatch(500, 500)}
     assert dict(index.longest_prefixes(prompt, 6.0)) == {a: PrefixMatch(450, 300), b: PrefixMatch(20, 20)}
+
+
+def test_provisional_marks_share_the_budget_and_are_not_counted_as_held() -> None:
+    a, b = ReplicaName("a"), ReplicaName("b")
+    keys = [BlockKey(0x1000 + i) for i in range(12)]
+    index = PrefixIndex(provisional_ttl_s=5.0, max_blocks=10)
+    index.store_keys(a, [EngineBlockHash(k) for k in keys[:6]], keys[:6])
+    index.add_provisional(b, keys[6:12], now=0.0)
+    assert len(index) == 4  # a's two oldest keys (its chain's tail) made room; b's marks are not held blocks
+    assert dict(index.longest_prefixes(keys[:6], 1.0)) == {a: PrefixMatch(4, 4)}
+    assert dict(index.longest_prefixes(keys[6:], 1.0)) == {b: PrefixMatch(6, 6)}
+    index.add_provisional(a, keys[:2], now=1.0)
+    assert dict(index.longest_prefixes(keys[:6], 2.0)) == {a: PrefixMatch(4, 4)}
+    assert dict(index.longest_prefixes(keys[:6], 7.0)) == {a: PrefixMatch(4, 4)}  # a's marks lapsed, its blocks stay
+    assert dict(index.longest_prefixes(keys[6:], 7.0)) == {}
+    assert len(index) == 4
