@@ -128,7 +128,10 @@ class Proxy:
 
     def check_admin(self, request: web.Request) -> None:
         token = self.settings.admin_token
-        if token is not None and not _token_matches(_bearer(request), [token]):
+        if token is None:
+            # No admin token: /debug is as open as the API, never more (it tells which prompts are cached where).
+            self.check_client(request)
+        elif not _token_matches(_bearer(request), [token]):
             raise RequestError(
                 "admin token required", status=401, code="invalid_admin_token", type_="authentication_error"
             )
@@ -192,6 +195,10 @@ class Proxy:
             self.metrics.decision_seconds.observe(self.clock() - began)
             chosen = decision.score_of(decision.chosen)
             predicted = chosen.cached_tokens if chosen is not None else 0
+            if log.isEnabledFor(logging.DEBUG):
+                # Prompt text reaches the logs only when the operator asked for it (`log_prompts`).
+                body = f" body {raw[:1000]!r}" if self.settings.log_prompts else ""
+                log.debug("request %s -> %s, predicted cached %d%s", request_id, replica.name, predicted, body)
             tried.append(replica.name)
             replica.begin_attempt()
             try:
