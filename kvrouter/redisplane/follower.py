@@ -2,10 +2,10 @@
 
 `RedisFollower.run` connects, and for each replica either resumes (Redis still holds the epoch and at least the
 entries this router applied) or reloads: snapshot plus stream since (`catchup.read_replica`), applied to the
-index with no await in between, after clearing what the router had for that replica — so nothing Redis no
-longer vouches for survives a reload. When every replica is loaded, `loaded` is set (readiness). It then
-follows with blocking XREAD: an entry is applied only if its id continues the replica's position
-(``<epoch>-<n+1>``); any other id (new epoch, a hole) triggers a reload of that replica.
+index after clearing what the router had for that replica — so nothing Redis no longer vouches for survives a
+reload (large snapshots are applied in chunks, yielding to requests in between). When every replica is loaded,
+`loaded` is set (readiness). It then follows with blocking XREAD: an entry is applied only if its id continues
+the replica's position (``<epoch>-<n+1>``); any other id (new epoch, a hole) triggers a reload of that replica.
 
 Faults. Any Redis error ends the session; the follower retries with exponential back-off (with jitter from the
 injected random source) and resumes or reloads as above. Meanwhile the index keeps the last vouched blocks and
@@ -75,6 +75,7 @@ class FollowerKnobs:
     streams_per_read: int | None = None
     forget_after_s: float = 60.0
     startup_grace_s: float = 10.0
+    apply_chunk_blocks: int = 65536
 
 
 @dataclass(slots=True)
@@ -299,10 +300,13 @@ class RedisFollower:
     async def _reload(self, redis: Redis, followed: FollowedReplica) -> None:
         catchup = await read_replica(redis, followed.keys, self.codec)
         followed.reloads += 1
-        self._replace(followed, catchup)
+        await self._replace(followed, catchup)
 
-    def _replace(self, followed: FollowedReplica, catchup: Catchup | None) -> None:
-        """Swap the replica's blocks for what Redis vouches for; synchronous, so no request sees half of it."""
+    async def _replace(self, followed: FollowedReplica, catchup: Catchup | None) -> None:
+        """Swap the replica's blocks for what Redis vouches for. The old blocks go first, at once; the new ones
+        are applied in chunks of `apply_chunk_blocks`, yielding to requests in between (1M blocks take about a
+        second), so meanwhile the replica is under-predicted, never credited with blocks Redis does not vouch for.
+        """
         self._drop(followed)
         if catchup is None:
             followed.position = None
@@ -318,7 +322,15 @@ class RedisFollower:
             return
         followed.refused = False
         followed.vouched = True
-        self._apply(followed, catchup.ops)
+        chunk = self.knobs.apply_chunk_blocks
+        for op in catchup.ops:
+            if isinstance(op, Stored) and op.count > chunk:
+                for start in range(0, op.count, chunk):
+                    piece = slice(start * 8, (start + chunk) * 8)
+                    self._apply(followed, [Stored(op.rank, op.tier, op.hashes[piece], op.keys[piece])])
+                    await asyncio.sleep(0)
+            else:
+                self._apply(followed, [op])
 
     def _drop(self, followed: FollowedReplica) -> None:
         for rank in sorted(followed.ranks):
