@@ -10,13 +10,14 @@ The clock is a parameter (`time.monotonic` live, the virtual clock in replay).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvrouter.blocks import cacheable_tokens, chain_keys
 from kvrouter.load import LoadBook, Ticket
-from kvrouter.openai_request import ParsedRequest
+from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
 from kvrouter.typedefs import BlockKey, ReplicaName, Tier
 
@@ -103,7 +104,16 @@ class Router:
         self.clock = clock
 
     async def facts(self, request: ParsedRequest) -> RoutingFacts:
-        prompts = None if self.tokenizer is None else await self.tokenizer.prompt_token_ids(request)
+        prompts = None
+        if self.tokenizer is not None:
+            try:
+                prompts = await self.tokenizer.prompt_token_ids(request)
+            except RequestError:
+                raise
+            except Exception as error:
+                # Text the tokenizer cannot take (a lone surrogate, ...) is no reason for a 500: the request is
+                # routed on load alone and the engine gives its own verdict. No prompt text in the log.
+                logging.getLogger(__name__).info("request not tokenized (%s): routed on load", type(error).__name__)
         lora = request.model if request.model in self.lora_adapters else None
         return RoutingFacts(prompts, lora=lora, cache_salt=request.cache_salt, max_tokens=request.max_tokens)
 
