@@ -1,7 +1,8 @@
 """`kvrouter relay` as a real process: vLLM-style publishers -> relay -> redis-server -> a router's index.
 
 The relay is killed (SIGKILL) mid-stream and started again; the engines keep publishing meanwhile, and their
-replay sockets fill the gap, so the router ends with exactly the index a router fed directly would have.
+replay sockets fill the gap, so the router ends with exactly the index a router fed directly would have. Then an
+engine restarts (its sequence numbers start over) and the router drops that replica's old blocks.
 """
 
 from __future__ import annotations
@@ -148,13 +149,13 @@ async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
     )
     follower.start()
     reference = Reference()
-    engine = SyntheticEngine(11, capacity=250)
+    engines = [SyntheticEngine(11, capacity=250)]
     real = [split_frames(m) for m in fixture_frames("s1_basic_bs32")]
     real_payloads = [parts[2] for parts in real if parts is not None]
 
     async def publish_syn(count: int) -> None:
         for _ in range(count):
-            payload = engine.step()
+            payload = engines[-1].step()
             syn_pub.publish(payload)
             reference.apply(SYN, payload)
             await asyncio.sleep(0.002)
@@ -165,7 +166,7 @@ async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
             reference.apply(REAL, payload)
 
     def nudge() -> None:
-        payload = engine.step()
+        payload = engines[-1].step()
         syn_pub.publish(payload)
         reference.apply(SYN, payload)
         publish_real(real_payloads[-1:])  # storing the same blocks again changes nothing
@@ -187,7 +188,20 @@ async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
         await wait_equal(index, reference, names, 30, nudge)
         assert follower.replicas[SYN].position.epoch == epoch  # type: ignore[union-attr]
         assert index.blocks_of(SYN) == 250
-        assert index.blocks_of(REAL) > 0
+        real_blocks = index.blocks_of(REAL)
+        assert real_blocks > 0
+
+        # The engine restarts: its sequence numbers start over and its cache is empty. The relay's source sees
+        # the number go back, the relay starts a new epoch, and the router drops the replica's old blocks.
+        syn_pub.next_seq = 0
+        syn_pub.buffer.clear()
+        engines.append(SyntheticEngine(12, capacity=250))
+        reference.index.clear(SYN)
+        await publish_syn(20)
+        await wait_equal(index, reference, names, 30, nudge)
+        assert follower.replicas[SYN].position.epoch > epoch  # type: ignore[union-attr]
+        assert 20 <= index.blocks_of(SYN) < 250
+        assert index.blocks_of(REAL) == real_blocks
     finally:
         await follower.stop()
         await syn_pub.close()
