@@ -156,6 +156,9 @@ class ZmqEventSource:
                         await self.handle(frames)
                     except Exception as error:  # a sink or decode bug must not end the stream
                         self._problem(DecodeProblem("frame", "internal_error", repr(error)))
+                    # A receive with messages queued completes without yielding: under an event flood this loop
+                    # would hold the event loop until the queue drained, and every request would wait on it.
+                    await asyncio.sleep(0)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as error:
