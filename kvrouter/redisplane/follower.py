@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kvrouter.config import FleetConfig, ReplicaConfig
 from kvrouter.redisplane.catchup import Catchup, CatchupError, read_replica
+from kvrouter.redisplane.clients import redis_from_url
 from kvrouter.redisplane.entries import EntryCodec, Op, Removed, Stored, unpack_u64
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, Position, ReplicaKeys, replica_keys
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
@@ -103,21 +102,10 @@ class FollowerHealth:
 
 
 def connect_redis(url: str, *, block_ms: int = 1000, socket_timeout_s: float | None = None) -> Redis:
-    """A client for `url` whose read timeout outlasts a blocking XREAD but still notices a silent peer.
-
-    No client-side retries: a transparent reconnect would re-issue a blocking XREAD on a Redis that restarted
-    empty, and the follower would never learn that its blocks lost their voucher. The follower and the relay
-    back off and re-check themselves.
-    """
-    return Redis.from_url(
-        url,
-        retry=Retry(NoBackoff(), 0),
-        socket_timeout=socket_timeout_s if socket_timeout_s is not None else block_ms / 1000 + 5.0,
-        socket_connect_timeout=2.0,
-        health_check_interval=30,
-        decode_responses=False,
-        protocol=2,
-    )
+    """A client for `url` (single, Sentinel or Cluster: `clients.redis_from_url`) whose read timeout outlasts
+    a blocking XREAD but still notices a silent peer."""
+    timeout = socket_timeout_s if socket_timeout_s is not None else block_ms / 1000 + 5.0
+    return redis_from_url(url, socket_timeout_s=timeout)
 
 
 class RedisFollower:

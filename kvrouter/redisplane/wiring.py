@@ -18,7 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvrouter.config import FleetConfig
-from kvrouter.redisplane.follower import BlockSink, RedisFollower, connect_redis
+from kvrouter.redisplane.clients import is_cluster
+from kvrouter.redisplane.follower import BlockSink, FollowerKnobs, RedisFollower, connect_redis
 
 
 class FollowerCollector(Collector):
@@ -72,6 +73,8 @@ def build_follower(
         index,
         hash_seed=fleet.hash_seed,
         clock=clock,
+        # On a Cluster each replica's stream lives in its own slot: one XREAD per replica.
+        knobs=FollowerKnobs(streams_per_read=1 if is_cluster(redis_url) else None),
     )
     registry.register(FollowerCollector(follower))
     return follower
