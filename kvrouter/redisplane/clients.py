@@ -43,11 +43,13 @@ def _hosts(netloc: str, default_port: int) -> tuple[str | None, list[tuple[str, 
     return password, hosts
 
 
-def redis_from_url(url: str, *, socket_timeout_s: float, connect_timeout_s: float = 2.0) -> Redis:
+def redis_from_url(
+    url: str, *, socket_timeout_s: float, connect_timeout_s: float = 2.0, decode_responses: bool = False
+) -> Redis:
     options: dict[str, Any] = {
         "socket_timeout": socket_timeout_s,
         "socket_connect_timeout": connect_timeout_s,
-        "decode_responses": False,
+        "decode_responses": decode_responses,
         "protocol": 2,
     }
     if url.startswith(SENTINEL_SCHEME + "://"):
