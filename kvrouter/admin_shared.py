@@ -25,6 +25,8 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from kvrouter.redisplane.clients import redis_from_url
+
 log = logging.getLogger(__name__)
 
 ADMIN_KEY = "kvrouter:{admin}"
@@ -62,8 +64,9 @@ class RedisAdminState:
 
     def _client(self) -> Redis:
         if self._redis is None:
-            self._redis = Redis.from_url(
-                self.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, decode_responses=True
+            # Same URL forms as the event plane: a single Redis, redis+sentinel:// or redis+cluster://.
+            self._redis = redis_from_url(
+                self.url, socket_timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s, decode_responses=True
             )
         return self._redis
 
