@@ -315,3 +315,29 @@ async def test_relay_restart_reads_its_state_back_and_resumes_the_engine_sequenc
     assert again.writers[SYN1].position == position  # no new epoch: routers need not reload
     await redis.aclose()
     await redis2.aclose()
+
+
+async def test_redis_away_too_long_router_forgets_event_blocks_then_reloads(
+    redis_server_persistent: RedisServer,
+) -> None:
+    server = redis_server_persistent
+    relay, redis = await new_relay(server)
+    now = [0.0]
+    router = Router(server.url, list(relay.writers), clock=lambda: now[0])
+    feeder = Feeder(relay)
+    async with running(router):
+        feeder.real_frames()
+        await relay.flush()
+        await eventually(lambda: caught_up(router, relay))
+        blocks = router.index.blocks_of(REAL)
+        assert blocks > 0
+        server.kill()
+        await eventually(lambda: router.follower.failures >= 1)
+        assert router.index.blocks_of(REAL) == blocks  # a short outage: the last vouched blocks stay
+        now[0] += FAST_FOLLOWER.forget_after_s + 1
+        failures = router.follower.failures
+        await eventually(lambda: router.follower.failures > failures)
+        assert router.index.blocks_of(REAL) == 0  # too long: routing falls back to load and provisional entries
+        server.start()  # back with its data: the router reloads what Redis vouches for
+        await eventually(lambda: router.follower.connected and router.index.blocks_of(REAL) == blocks)
+    await redis.aclose()
