@@ -13,7 +13,9 @@ chose and corrects two things:
   only); a replica's matched blocks are scaled by its trust (never below `min_trust`), so a replica whose events
   keep overstating its cache loses credit until it behaves.
 
-The index itself is never edited (its data layout is not this module's business); everything lives in this overlay
+Live, the proxy calls `expect` when it commits a request to a replica (with the request's block keys) and
+`settle` with the same token once the engine's usage arrives; replay calls `observe` directly. The index itself
+is never edited (its data layout is not this module's business); everything lives in this overlay
 and the overlay observes the same events the index does. Pure and synchronous; the clock is the caller's `now`.
 
 Knobs: `trust_alpha` [0.02] weight of one request in the trust mean; `min_trust` [0.25]; `suspect_ttl_s` [120].
@@ -21,7 +23,8 @@ Knobs: `trust_alpha` [0.02] weight of one request in the trust mean; `min_trust`
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvrouter.routing import PrefixLookup, PrefixMatch
@@ -49,6 +52,7 @@ class FeedbackLookup:
         self.config = config or FeedbackConfig()
         self._trust: dict[ReplicaName, float] = {}
         self._suspects: dict[ReplicaName, dict[BlockKey, float]] = {}
+        self._expected: OrderedDict[Hashable, tuple[ReplicaName, Sequence[BlockKey], int]] = OrderedDict()
         self.repairs = 0
         """Suspect blocks marked so far (a metric)."""
 
@@ -103,6 +107,18 @@ class FeedbackLookup:
         if config.repair and served < predicted:
             self._suspects.setdefault(replica, {})[keys[served]] = now + config.suspect_ttl_s
             self.repairs += 1
+
+    def expect(self, token: Hashable, replica: ReplicaName, keys: Sequence[BlockKey], block_size: int) -> None:
+        """A request (`token`: anything unique to it) goes to `replica`; `settle` will bring its outcome."""
+        self._expected[token] = (replica, keys, block_size)
+        if len(self._expected) > 4096:
+            self._expected.popitem(last=False)  # outcomes that never came (failed attempts)
+
+    def settle(self, token: Hashable, predicted_tokens: int, actual_tokens: int | None, now: float) -> None:
+        expected = self._expected.pop(token, None)
+        if expected is not None and actual_tokens is not None:
+            replica, keys, block_size = expected
+            self.observe(replica, keys, predicted_tokens, actual_tokens, block_size, now)
 
     def on_stored(self, replica: ReplicaName, keys: Sequence[BlockKey]) -> None:
         """The replica computed `keys` again: they are no longer suspect there."""
