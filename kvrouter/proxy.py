@@ -30,6 +30,7 @@ from aiohttp.typedefs import Handler
 from multidict import CIMultiDict
 
 from kvrouter.config import Settings
+from kvrouter.feedback import FeedbackLookup
 from kvrouter.load import LoadBook, Ticket
 from kvrouter.metrics import RouterMetrics
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
@@ -192,6 +193,9 @@ class Proxy:
             decision = self.router.decide(facts, [replica.route for replica in candidates])
             replica = self.replicas.by_name[decision.chosen]
             ticket = self.router.commit(decision, facts, replica.route)
+            if isinstance(self.router.index, FeedbackLookup) and facts.prompts:
+                keys = facts.keys(replica.route.block_size, self.router.hash_seed)
+                self.router.index.expect(id(ticket), replica.name, keys, replica.route.block_size)
             self.metrics.decision_seconds.observe(self.clock() - began)
             chosen = decision.score_of(decision.chosen)
             predicted = chosen.cached_tokens if chosen is not None else 0
@@ -277,7 +281,7 @@ class Proxy:
             body = await upstream.read()
             self.load.first_token(ticket)
             if "content-encoding" not in upstream.headers:
-                self._observe_cached(replica, predicted, cached_tokens_in_body(body))
+                self._observe_cached(replica, predicted, cached_tokens_in_body(body), ticket)
             self.metrics.requests.labels(replica.name, route, str(status)).inc()
             self.metrics.timers(replica.name, route).duration.observe(self.clock() - start)
             return web.Response(status=status, body=body, headers=out_headers)
@@ -346,10 +350,12 @@ class Proxy:
             self.metrics.requests.labels(replica.name, route, status).inc()
             timers.duration.observe(self.clock() - start)
             scanner.close()
-            self._observe_cached(replica, predicted, scanner.cached_tokens)
+            self._observe_cached(replica, predicted, scanner.cached_tokens, ticket)
         return response
 
-    def _observe_cached(self, replica: ReplicaState, predicted: int, actual: int | None) -> None:
+    def _observe_cached(self, replica: ReplicaState, predicted: int, actual: int | None, ticket: Ticket) -> None:
+        if isinstance(self.router.index, FeedbackLookup):
+            self.router.index.settle(id(ticket), predicted, actual, self.clock())
         if actual is not None:
             self.metrics.observe_cached(replica.name, predicted, actual)
 
