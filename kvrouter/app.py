@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from kvrouter.config import ConfigError, FleetConfig, Settings
 from kvrouter.events.embedded import EmbeddedEvents
+from kvrouter.feedback import FeedbackLookup
 from kvrouter.fleet_control import install_admin
 from kvrouter.index import PrefixIndex
 from kvrouter.load import LoadBook
@@ -109,10 +110,13 @@ def create_app(
     metrics = RouterMetrics(registry if registry is not None else CollectorRegistry(auto_describe=True))
     load = LoadBook()
     prefix = build_prefix_parts(settings, fleet, metrics, clock)
+    lookup = prefix.index
+    if lookup is not None and settings.kv_feedback:
+        lookup = FeedbackLookup(lookup)  # engine-reported cache hits correct the index (kvrouter/feedback.py)
     router = Router(
         policy=build_policy(settings.policy, settings),
         load=load,
-        index=prefix.index,
+        index=lookup,
         tokenizer=prefix.tokenizer,
         hash_seed=fleet.hash_seed,
         lora_adapters=fleet.lora_adapters,
