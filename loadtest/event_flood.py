@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if alive and result["index_blocks_end"] <= args.index_max_blocks else 1
+    # kvrouter_index_blocks counts engine-hash mappings; evicted keys leave some behind until a sweep, which runs
+    # once a quarter of the budget has piled up (kvrouter/index.py).
+    return 0 if alive and result["index_blocks_end"] <= args.index_max_blocks * 1.25 + 128 else 1
 
 
 if __name__ == "__main__":
