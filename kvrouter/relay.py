@@ -22,11 +22,13 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -179,6 +181,28 @@ class Relay:
                 delay = min(delay * 2, self.knobs.backoff_max_s)
 
 
+class RelayCollector(Collector):
+    """The relay's own health, read at scrape time: Redis reachable, and per replica the entries, snapshots and
+    epochs written (an epoch per engine restart, cache reset or Redis data loss)."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+
+    def collect(self) -> Iterator[Metric]:
+        up = 1.0 if self.relay.redis_up else 0.0
+        yield GaugeMetricFamily("kvrouter_relay_redis_up", "1 while the relay's writes reach Redis.", value=up)
+        families = {
+            "entries": CounterMetricFamily("kvrouter_relay_entries", "Stream entries written.", labels=["replica"]),
+            "snapshots": CounterMetricFamily("kvrouter_relay_snapshots", "Snapshots written.", labels=["replica"]),
+            "epochs": CounterMetricFamily("kvrouter_relay_epochs", "Epochs started.", labels=["replica"]),
+        }
+        for name, writer in self.relay.writers.items():
+            families["entries"].add_metric([name], writer.stats.entries)
+            families["snapshots"].add_metric([name], writer.stats.snapshots)
+            families["epochs"].add_metric([name], writer.stats.epochs)
+        yield from families.values()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", required=True, help="path of replicas.yaml")
     parser.add_argument("--redis-url", required=True, help="Redis to write to, e.g. redis://127.0.0.1:6379/0")
@@ -236,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         knobs=knobs,
         metrics=metrics,
     )
+    registry.register(RelayCollector(relay))
     with asyncio.Runner() as runner:
         runner.run(_serve(relay, fleet))
     return 0

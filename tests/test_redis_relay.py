@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 import yaml
 import zmq.asyncio
@@ -25,7 +26,7 @@ from kvrouter.events.wire import WireDecoder, split_frames
 from kvrouter.index import PrefixIndex
 from kvrouter.redisplane.follower import FollowerKnobs, RedisFollower, connect_redis
 from kvrouter.typedefs import ReplicaName
-from tests.redis_fixtures import RedisServer, redis_server
+from tests.redis_fixtures import RedisServer, free_port, redis_server
 from tests.redis_plane_support import FramePublisher, SyntheticEngine, fixture_frames, index_view
 
 pytestmark = pytest.mark.redis
@@ -58,8 +59,10 @@ class Reference:
 
 class RelayProcess:
     def __init__(self, replicas_yaml: Path, redis_url: str, log_path: Path) -> None:
+        self.metrics_port = free_port()
         self.command = [
             sys.executable, "-m", "kvrouter.cli", "relay",
+            "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
             "--replicas", str(replicas_yaml),
             "--redis-url", redis_url,
             "--flush-interval", "0.002",
@@ -202,6 +205,12 @@ async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
         assert follower.replicas[SYN].position.epoch > epoch  # type: ignore[union-attr]
         assert 20 <= index.blocks_of(SYN) < 250
         assert index.blocks_of(REAL) == real_blocks
+        url = f"http://127.0.0.1:{relay.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            metrics = await response.text()
+        assert "kvrouter_relay_redis_up 1.0" in metrics
+        assert 'kvrouter_relay_epochs_total{replica="syn"} 1.0' in metrics  # the restart, seen by this process
+        assert 'status="restart",type="AllBlocksCleared"' in metrics
     finally:
         await follower.stop()
         await syn_pub.close()
