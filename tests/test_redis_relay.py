@@ -216,3 +216,17 @@ async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
         await syn_pub.close()
         await real_pub.close()
         context.destroy(linger=0)
+
+
+def test_relay_cli_refuses_bad_configuration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvrouter.cli import main
+
+    missing = tmp_path / "missing.yaml"
+    assert main(["relay", "--replicas", str(missing), "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    fleet = tmp_path / "replicas.yaml"
+    fleet.write_text(yaml.safe_dump({"replicas": [{"name": "a", "url": "http://127.0.0.1:9"}]}))
+    assert main(["relay", "--replicas", str(fleet), "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    assert "no replica has kv_events" in capsys.readouterr().err
+    assert main(["relay", "--replicas", str(fleet), "--redis-url", "redis://x:1/0", "--only", "b"]) == 2
+    assert "no replica named b" in capsys.readouterr().err
