@@ -10,9 +10,9 @@ Three Lua scripts, each touching only one replica's keys (one hash slot), keep t
 * create — starts a new epoch: the stream restarts with ``<epoch>-0`` and the snapshot holds the whole state.
 
 Catch-up state: a periodic compact snapshot plus the stream since, not a Redis hash updated with each append.
-Measured (docs/benchmarks.md, "Redis event plane"): a snapshot costs 16 bytes of Redis memory per block and
-loads 1M blocks in one GET; a hash of engine hash -> key costs several times that per block and 1M fields take
-far longer to read back. A snapshot is written when the blocks touched since the last one reach
+Measured (docs/benchmarks.md, "Redis event plane"): at 1M blocks a snapshot costs 16.8 bytes of Redis memory
+per block and reads back in 0.2-0.4 s (one GET); a hash of engine hash -> key+tier costs 64 bytes per block and
+takes 11 s to read back with HSCAN. A snapshot is written when the blocks touched since the last one reach
 ``snapshot_ratio`` × the state's size (at least ``snapshot_min_blocks``), which bounds both the stream a new
 router replays (≤ 2 × ratio × size ops) and the write amplification (≤ 16 / ratio bytes per block touched).
 
