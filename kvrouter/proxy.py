@@ -415,7 +415,8 @@ class Proxy:
             await response.prepare(request)
             while True:
                 try:
-                    chunk = await upstream.content.readany()
+                    async with asyncio.timeout(self.settings.read_timeout_s):  # see _relay_stream
+                        chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, TimeoutError):
                     if request.transport is not None:
                         request.transport.close()
