@@ -212,3 +212,15 @@ async def test_broken_framing_mid_stream_ends_with_an_error_event(make_router: R
         await eventually(lambda: in_flight(client, "r0") == 0, what="accounting")
     finally:
         await bad.stop()
+
+
+async def test_broken_framing_on_a_passthrough_path_ends_too(make_router: RouterFactory) -> None:
+    bad = await RawServer("r0", BROKEN_CHUNKS).start()
+    try:
+        client = await make_router([bad], max_retries=0, read_timeout_s=0.5)
+        response = await client.post("/tokenize", json={"prompt": "hi"})
+        _, ending = await asyncio.wait_for(read_stream(response), timeout=5)
+        assert ending is not None
+        await eventually(lambda: in_flight(client, "r0") == 0, what="accounting")
+    finally:
+        await bad.stop()
