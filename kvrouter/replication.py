@@ -12,6 +12,9 @@ requests that share it find it cached there. Two planners decide when, both pure
   (decaying with `half_life_s`); `hottest(replica, n)` gives the prefixes to warm elsewhere before that replica
   is drained, so its traffic lands on a replica that already holds them.
 
+Neither is on in the live router: in trace replay both added work when the fleet was busiest and did not lower
+TTFT (docs/benchmarks.md, "Beyond kv_aware"); `kvrouter replay --replicate / --drain-warm` runs them.
+
 Knobs: `min_prefix_tokens` [4096], `saturated_s` [1.0], `gain_s` [0.5], `cooldown_s` [30]; heat `half_life_s`
 [120], `min_blocks` [8].
 """

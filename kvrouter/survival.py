@@ -14,6 +14,9 @@ pending prefill tokens / `prefill_tokens_per_s`, from the `LoadBook`) stays unde
 Blocks of one prompt are touched together and a shared head is touched more often than its tail, so ages grow
 with depth and a binary search finds the cut. Pure and synchronous; the clock is the caller's `now`.
 
+Off by default (`kv_survival`): on the Mooncake trace it cut credit that was right and raised TTFT p99 (+9.7% at
+x3.0; docs/benchmarks.md, "Beyond kv_aware").
+
 Knobs: `prefill_tokens_per_s` [48000] (the kv_aware estimate's), `margin` [1.0], `age_alpha` [0.05] weight of
 one removal batch in the eviction-age mean.
 """
