@@ -119,6 +119,8 @@ class BenchPlan:
             **common,
             **knobs,
             "users": self.users,
+            "sim_args": self.sim_args,
+            "router_args": self.router_args,
             "slo_ttft_s": self.slo_ttft_s,
             "rows": {row.name: f"{row.kind}: {row.value}" for row in self.rows},
             "command": "kvrouter " + " ".join(sys.argv[1:]),
