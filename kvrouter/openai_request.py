@@ -75,9 +75,13 @@ def _is_int_list(value: object) -> bool:
 
 def _check_prompt(prompt: object) -> str | list[str] | list[int] | list[list[int]]:
     if isinstance(prompt, str):
+        if not prompt:
+            raise _fail("'prompt' must not be empty", "prompt")
         return prompt
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
+            if not all(prompt):
+                raise _fail("'prompt' must not contain empty strings", "prompt")
             return prompt
         if _is_int_list(prompt):
             if any(t < 0 for t in prompt):

@@ -34,6 +34,8 @@ CASES = [
     ("max_tokens negative", COMPLETION_PATH, b'{"prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
     ("max_tokens boolean", COMPLETION_PATH, b'{"prompt": "x", "max_tokens": true}', 400, "max_tokens"),
     ("cache_salt empty", COMPLETION_PATH, b'{"prompt": "x", "cache_salt": ""}', 400, "cache_salt"),
+    ("empty prompt string", COMPLETION_PATH, b'{"prompt": ""}', 400, "prompt"),
+    ("empty string in a prompt batch", COMPLETION_PATH, b'{"prompt": ["a", ""]}', 400, "prompt"),
     ("deep nesting", COMPLETION_PATH, b'{"prompt": "x", "a": ' + b"[" * 1500 + b"]" * 1500 + b"}", 400, None),
     ("too large", COMPLETION_PATH, b'{"prompt": "' + b"x" * 5000 + b'"}', 413, None),
 ]
