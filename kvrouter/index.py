@@ -81,6 +81,7 @@ class PrefixIndex:
         self._next_bit = 0
         self._expiries: deque[tuple[float, _Source, tuple[BlockKey, ...]]] = deque()
         self._stale_mappings = 0
+        self._evicted_since_compact = 0
         # PrefixMatch values are immutable: the common all-GPU ones are shared rather than built per lookup.
         self._matches: dict[int, PrefixMatch] = {}
 
@@ -249,6 +250,15 @@ class PrefixIndex:
             del table[next(iter(table))]
             tracked -= 1
             self._stale_mappings += 1
+            self._evicted_since_compact += 1
+        if self._evicted_since_compact > budget // 8 + 64:
+            # `next(iter(table))` walks past every slot freed at the front since the dict last compacted itself,
+            # so under a flood each eviction cost O(evictions so far); re-inserting compacts it (same order).
+            for table in self._tiers:
+                kept = dict(table)
+                table.clear()
+                table.update(kept)
+            self._evicted_since_compact = 0
         if self._stale_mappings > budget // 4 + 64:
             self._drop_stale_mappings()
 
