@@ -251,7 +251,7 @@ class PrefixIndex:
             tracked -= 1
             self._stale_mappings += 1
             self._evicted_since_compact += 1
-        if self._evicted_since_compact > budget // 8 + 64:
+        if self._evicted_since_compact > budget // 64 + 64:
             # `next(iter(table))` walks past every slot freed at the front since the dict last compacted itself,
             # so under a flood each eviction cost O(evictions so far); re-inserting compacts it (same order).
             for table in self._tiers:
