@@ -7,10 +7,14 @@ into a `RelayBook` (the relay's authoritative block state) instead of a router's
 a bounded stream plus a periodic snapshot, and a new epoch on engine restart or clear (see redisplane/).
 
 A restarted relay first reads each replica's state back from Redis and resumes the engine's sequence numbers
-from there, so vLLM's replay buffer fills the gap; if Redis lost its data the relay rebuilds it from its own
-state under a new epoch. One relay can serve many replicas (``--only NAME`` picks some, for a sidecar per
-replica). Knobs: ``--flush-interval`` (how long batches gather before a write), ``--verify-interval`` (how
-often an idle relay checks that Redis still holds what it wrote), the snapshot ratio.
+from there (`ZmqEventSource.resume_from`): at once, without waiting for the engine's next message, vLLM's replay
+buffer fills the gap. When the buffer no longer reaches back that far the replica's DP rank is cleared and
+rebuilt from what follows, under a new epoch (counted as `kvrouter_relay_lost_clears`); if Redis lost its data
+the relay rebuilds it from its own state under a new epoch.
+
+One relay can serve many replicas (``--only NAME`` picks some, for a sidecar per replica). Knobs:
+``--flush-interval`` (how long batches gather before a write), ``--verify-interval`` (how often an idle relay
+checks that Redis still holds what it wrote), the snapshot ratio.
 """
 
 from __future__ import annotations
@@ -195,11 +199,18 @@ class RelayCollector(Collector):
             "entries": CounterMetricFamily("kvrouter_relay_entries", "Stream entries written.", labels=["replica"]),
             "snapshots": CounterMetricFamily("kvrouter_relay_snapshots", "Snapshots written.", labels=["replica"]),
             "epochs": CounterMetricFamily("kvrouter_relay_epochs", "Epochs started.", labels=["replica"]),
+            "lost_clears": CounterMetricFamily(
+                "kvrouter_relay_lost_clears",
+                "DP ranks cleared because engine events were lost beyond its replay buffer.",
+                labels=["replica"],
+            ),
         }
         for name, writer in self.relay.writers.items():
             families["entries"].add_metric([name], writer.stats.entries)
             families["snapshots"].add_metric([name], writer.stats.snapshots)
             families["epochs"].add_metric([name], writer.stats.epochs)
+            source = self.relay.sources.get(name)
+            families["lost_clears"].add_metric([name], source.lost_clears if source is not None else 0)
         yield from families.values()
 
 
@@ -287,8 +298,8 @@ async def _serve(relay: Relay, fleet: FleetConfig) -> None:
 async def serve_relay(relay: Relay, fleet: FleetConfig, *, context: zmq.asyncio.Context) -> None:
     """Read the state back (retrying until Redis answers), then follow every replica's publisher; until cancelled.
 
-    Each source starts from the sequence numbers Redis holds, so its first message reveals the gap since the
-    relay stopped and the engine's replay socket fills it.
+    Each source resumes from the sequence numbers Redis holds: it asks the engine's replay socket for what was
+    published since the relay stopped as soon as it subscribes, so an idle engine's gap is filled too.
     """
     delay = relay.knobs.backoff_initial_s
     while not relay.opened:
@@ -303,9 +314,15 @@ async def serve_relay(relay: Relay, fleet: FleetConfig, *, context: zmq.asyncio.
     for name in relay.writers:
         events = by_name[name].kv_events
         assert events is not None
-        source = ZmqEventSource(name, events, relay.accept, context=context, on_problem=relay.count_problem)
-        for rank, seq in relay.engine_seqs[name].items():
-            source.tracker.delivered(rank, seq)
+        source = ZmqEventSource(
+            name,
+            events,
+            relay.accept,
+            context=context,
+            on_problem=relay.count_problem,
+            data_parallel_size=events.data_parallel_size,
+        )
+        source.resume_from(relay.engine_seqs[name])
         relay.sources[name] = source
         tasks.append(asyncio.create_task(source.run(), name=f"kvrouter-relay-source-{name}"))
         log.info("relay: following %s at %s (resuming after %s)", name, events.endpoint, relay.engine_seqs[name])

@@ -8,16 +8,23 @@ Sequence numbers are tracked per (replica, data-parallel rank), because every DP
 * the next number: delivered;
 * a jump forward (a lost message, or the router starting after the engine): the missing range is asked from the
   engine's replay socket (DEALER sends `[b"", seq]`; replies until seq == -1) and delivered in order first; what
-  the engine no longer buffers is counted as lost;
+  the engine no longer buffers is counted as lost, and when the rank had history an `AllBlocksCleared` for it is
+  delivered first — a lost removal would otherwise leave blocks the engine no longer holds;
 * a number at or below the last one: the engine restarted, so its cache is empty — an
   `AllBlocksCleared(restart=True)` for every rank of the replica is delivered before the new message (a vLLM
   server restarts its DP ranks together).
+
+A source that resumes (`resume_from`, the relay restarting from what Redis holds) or reopens its sockets asks
+the replay socket for everything after each rank's last seq as soon as it subscribes, and once more after
+`recheck_s` (a SUB socket misses what is published before its subscription reaches the publisher), so an idle
+engine's gap is filled without waiting for its next message; live copies of what the replay delivered are
+dropped as duplicates.
 
 Nothing stops the task but cancellation: a malformed frame or event is counted by `(replica, type, reason)`
 through `on_problem`, logged at most once per `log_every_s` per reason, and skipped; a socket error closes and
 reopens the sockets after `reconnect_s`.
 
-Knobs: `replay_timeout_s` (wait for each replay reply), `data_parallel_size` (rank r of a connecting source
+Knobs: `replay_timeout_s` (wait for each replay reply), `recheck_s`, `data_parallel_size` (rank r of a connecting source
 publishes and replays on the configured ports + r, as vLLM assigns them).
 """
 
@@ -27,7 +34,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -123,6 +130,7 @@ class ZmqEventSource:
         on_problem: ProblemCount | None = None,
         data_parallel_size: int = 1,
         replay_timeout_s: float = 1.0,
+        recheck_s: float = 1.0,
         reconnect_s: float = 1.0,
         log_every_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
@@ -135,6 +143,7 @@ class ZmqEventSource:
         self.on_problem = on_problem
         self.data_parallel_size = data_parallel_size
         self.replay_timeout_s = replay_timeout_s
+        self.recheck_s = recheck_s
         self.reconnect_s = reconnect_s
         self.tracker = SequenceTracker()
         self.decoder = WireDecoder()
@@ -143,8 +152,20 @@ class ZmqEventSource:
         self.replayed = 0
         self.lost = 0
         self.restarts = 0
+        self.lost_clears = 0
+        """Ranks cleared because events the engine no longer buffers were lost after the rank had history."""
+        self.duplicates = 0
+        self._caught_up_from: dict[int, int] = {}
+        """Per rank, the last seq before a catch-up replay: a live seq above it and at or below the last delivered
+        is a copy of a replayed message, not an engine restart."""
         self.connected = asyncio.Event()
         self.clock = clock
+
+    def resume_from(self, last_seq_by_rank: Mapping[int, int]) -> None:
+        """Continue after these last delivered seqs (per DP rank), before `run`: on start the source asks the replay
+        socket for what each rank published since, delivers it, then follows live."""
+        for rank, seq in last_seq_by_rank.items():
+            self.tracker.delivered(rank, seq)
 
     # ---- the loop -----------------------------------------------------------------------------------------
 
@@ -154,7 +175,15 @@ class ZmqEventSource:
             worked_since = self.clock()
             try:
                 self.connected.set()
+                # The SUB socket is open first, so what is published during the replay queues up behind it.
+                recheck_at = await self._catch_up()
                 while True:
+                    if recheck_at is not None:
+                        remaining_ms = max(0, int((recheck_at - self.clock()) * 1000))
+                        if remaining_ms == 0 or not await socket.poll(remaining_ms):
+                            recheck_at = None
+                            await self._catch_up()
+                            continue
                     frames = await socket.recv_multipart()
                     try:
                         await self.handle(frames)
@@ -207,6 +236,12 @@ class ZmqEventSource:
         if batch is None:
             return
         rank = batch.dp_rank
+        floor = self._caught_up_from.get(rank)
+        if floor is not None:
+            if floor < seq <= self.tracker.last.get(rank, -1):
+                self.duplicates += 1
+                return
+            del self._caught_up_from[rank]
         state = self.tracker.classify(rank, seq)
         if state == "restart":
             self.restarts += 1
@@ -221,9 +256,10 @@ class ZmqEventSource:
                 cleared = EventBatch(self.replica, stale, seq, batch.ts, [AllBlocksCleared(restart=True)])
                 await self._deliver(cleared)
             self.tracker.last.clear()
+            self._caught_up_from.clear()
             state = "first"
         if state in ("gap", "first") and seq > self.tracker.expected(rank):
-            await self._replay(rank, self.tracker.expected(rank), seq)
+            await self._replay(rank, self.tracker.expected(rank), seq, batch.ts)
         await self._deliver(batch)
         self.tracker.delivered(rank, seq)
 
@@ -249,23 +285,37 @@ class ZmqEventSource:
 
     # ---- replay -------------------------------------------------------------------------------------------
 
-    async def _replay(self, rank: int, start: int, until: int) -> None:
-        """Deliver seqs [start, until) of `rank` from the engine's replay buffer; count what it cannot give."""
+    async def _catch_up(self) -> float | None:
+        """Replay everything after each rank's last delivered seq; when the time to check again is, if any."""
+        if not self.config.replay_endpoint or not self.tracker.last:
+            return None
+        for rank, last in sorted(self.tracker.last.items()):
+            self._caught_up_from.setdefault(rank, last)
+            await self._replay(rank, last + 1, None)
+        return self.clock() + self.recheck_s
+
+    async def _replay(self, rank: int, start: int, until: int | None, until_ts: float = 0.0) -> None:
+        """Deliver seqs [start, until) of `rank` (everything from `start` when `until` is None; `until_ts` is the
+        time of message `until`) from the engine's replay buffer; count what it cannot give, and clear the rank
+        when that loss breaks a known history."""
         got = await self._replay_batches(rank, start, until) if self.config.replay_endpoint else []
         next_seq = start
         for seq, batch in got:
-            if seq < next_seq or seq >= until or batch.dp_rank != rank:
+            if seq < next_seq or (until is not None and seq >= until) or batch.dp_rank != rank:
                 continue
             if seq > next_seq:
-                self._lost(rank, next_seq, seq)
+                await self._lost(rank, next_seq, seq, batch.ts)
             await self._deliver(batch)
             self.tracker.delivered(rank, seq)
             self.replayed += 1
             next_seq = seq + 1
-        if next_seq < until:
-            self._lost(rank, next_seq, until)
+        if until is not None and next_seq < until:
+            await self._lost(rank, next_seq, until, until_ts)
 
-    def _lost(self, rank: int, start: int, until: int) -> None:
+    async def _lost(self, rank: int, start: int, until: int, ts: float) -> None:
+        """Seqs [start, until) of `rank` are gone for good. The blocks they stored are merely missing, but a lost
+        removal or clear would leave blocks the engine no longer holds: a rank with history is cleared (the relay
+        starts a new epoch), and rebuilt from what follows."""
         self.lost += until - start
         if self.on_problem is not None:
             self.on_problem(self.replica, "frame", "lost")
@@ -273,8 +323,12 @@ class ZmqEventSource:
             f"lost:{self.replica}", "kv events from %s rank %d: seqs %d..%d are lost (not in the replay buffer)",
             self.replica, rank, start, until - 1,
         )
+        if rank in self.tracker.last:
+            self.lost_clears += 1
+            await self._deliver(EventBatch(self.replica, rank, until - 1, ts, [AllBlocksCleared()]))
+            self.tracker.delivered(rank, until - 1)
 
-    async def _replay_batches(self, rank: int, start: int, until: int) -> list[tuple[int, EventBatch]]:
+    async def _replay_batches(self, rank: int, start: int, until: int | None) -> list[tuple[int, EventBatch]]:
         assert self.config.replay_endpoint is not None
         endpoint = offset_endpoint(self.config.replay_endpoint, rank)
         socket = self.context.socket(zmq.DEALER)
@@ -297,7 +351,7 @@ class ZmqEventSource:
                 batch = self._decode(seq, payload)
                 if batch is not None:
                     batches.append((seq, batch))
-                if seq >= until - 1:
+                if until is not None and seq >= until - 1:
                     break  # the rest will arrive live
         except zmq.ZMQError as error:
             self._problem(DecodeProblem("frame", "replay_error", str(error)))
