@@ -1,7 +1,12 @@
-"""Shared fixtures: fake vLLM replicas and a kvrouter in front of them, all on real sockets on 127.0.0.1."""
+"""Shared fixtures: fake vLLM replicas and a kvrouter in front of them, all on real sockets on 127.0.0.1; and the
+small helpers many test modules share (polling until a condition holds, stopping a subprocess this test started).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -63,3 +68,25 @@ def make_router(aiohttp_client: Any) -> RouterFactory:
         return client
 
     return make
+
+
+async def eventually(
+    condition: Callable[[], bool], within_s: float = 10.0, what: str = "condition", poll_s: float = 0.01
+) -> float:
+    """Poll `condition()` until it holds; returns the seconds it took, fails the test past `within_s`."""
+    started = time.perf_counter()
+    while not condition():
+        if time.perf_counter() - started > within_s:
+            raise AssertionError(f"{what} not met within {within_s} s")
+        await asyncio.sleep(poll_s)
+    return time.perf_counter() - started
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGTERM the process this test started, and SIGKILL it if it has not exited within `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=5)

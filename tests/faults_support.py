@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -179,15 +178,6 @@ class RawServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-
-
-async def eventually(condition: Callable[[], bool], within_s: float = 5.0, what: str = "condition") -> float:
-    started = time.perf_counter()
-    while not condition():
-        if time.perf_counter() - started > within_s:
-            raise AssertionError(f"{what} not met within {within_s} s")
-        await asyncio.sleep(0.01)
-    return time.perf_counter() - started
 
 
 def rss_mb(pid: int) -> float:

@@ -23,7 +23,7 @@ from kvrouter.admin import READINESS_KEY
 from kvrouter.app import REPLICAS, create_app
 from kvrouter.config import load_fleet, parse_fleet
 from kvrouter.fleet_admin import ReloadRefused, plan_reload
-from tests.conftest import ReplicaFactory, router_settings
+from tests.conftest import ReplicaFactory, eventually, router_settings
 from tests.fake_replica import FakeReplica
 
 TOKEN = "admin-secret"
@@ -49,14 +49,6 @@ def admin_router(aiohttp_client: Any, tmp_path: Path) -> AdminRouter:
         return client, path
 
     return make
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.005)):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not met in time")
 
 
 async def stream_completion(client: TestClient[Any, Any], prompt: str = "hello") -> tuple[int, str, str]:
@@ -93,7 +85,7 @@ async def test_list_replicas_shows_state_and_load(fake_replicas: ReplicaFactory,
     replicas[0].behaviour.hold = hold
     client, _ = await admin_router(replicas)
     held = asyncio.ensure_future(stream_completion(client))
-    await until(lambda: replicas[0].in_flight == 1)
+    await eventually(lambda: replicas[0].in_flight == 1)
     body = await (await client.get("/admin/replicas", headers=AUTH)).json()
     views = {view["name"]: view for view in body["replicas"]}
     assert list(views) == ["r0", "r1"]
@@ -122,7 +114,7 @@ async def test_drain_under_load_loses_no_request(fake_replicas: ReplicaFactory, 
             results.append((started, status, replica, body))
 
     async def operator() -> None:
-        await until(lambda: len(results) >= 12)
+        await eventually(lambda: len(results) >= 12)
         response = await client.post("/admin/replicas/r0/drain", headers=AUTH)
         assert response.status == 200
         drained_at.append(loop.time())
@@ -151,7 +143,7 @@ async def test_drain_wait_returns_when_in_flight_requests_finished(
     replicas[0].behaviour.hold = hold
     client, _ = await admin_router(replicas)
     held = asyncio.ensure_future(stream_completion(client))
-    await until(lambda: replicas[0].in_flight == 1)
+    await eventually(lambda: replicas[0].in_flight == 1)
 
     quick = await (await client.post("/admin/replicas/r0/drain?wait=0.1", headers=AUTH)).json()
     assert quick == {"replica": "r0", "draining": True, "in_flight": 1, "idle": False, "shared": None}
@@ -213,7 +205,7 @@ async def test_reload_adds_and_removes_replicas_live(
     client, path = await admin_router([r0, r1])
     # Streams parked on r1, the replica about to be removed.
     held = [asyncio.ensure_future(stream_completion(client, f"held {i}")) for i in range(4)]
-    await until(lambda: r1.in_flight == 2)
+    await eventually(lambda: r1.in_flight == 2)
 
     write_fleet(path, [r0, r2])
     response = await client.post("/admin/reload", headers=AUTH)
@@ -295,7 +287,7 @@ async def test_sighup_reloads(fake_replicas: ReplicaFactory, admin_router: Admin
         pytest.skip("no SIGHUP handler on this loop (not the main thread)")
     write_fleet(path, [r0, r1])
     os.kill(os.getpid(), signal.SIGHUP)
-    await until(lambda: "r1" in client.app[REPLICAS].by_name)
+    await eventually(lambda: "r1" in client.app[REPLICAS].by_name)
     assert [r.name for r in client.app[REPLICAS]] == ["r0", "r1"]
 
 

@@ -19,7 +19,7 @@ from kvrouter.admin_shared import ADMIN_KEY as REDIS_KEY
 from kvrouter.admin_shared import RedisAdminState
 from kvrouter.app import REPLICAS, create_app
 from kvrouter.config import load_fleet
-from tests.conftest import ReplicaFactory, router_settings
+from tests.conftest import ReplicaFactory, eventually, router_settings
 from tests.fake_replica import FakeReplica
 from tests.redis_fixtures import RedisServer, redis_server  # noqa: F401  (fixture)
 
@@ -32,14 +32,6 @@ Pair = tuple[TestClient[Any, Any], TestClient[Any, Any], Path, Path]
 
 def write_fleet(path: Path, replicas: list[FakeReplica]) -> None:
     path.write_text(yaml.safe_dump({"replicas": [{"name": r.name, "url": r.url} for r in replicas]}), "utf-8")
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture
@@ -58,7 +50,7 @@ def two_routers(
             paths.append(path)
         # Both have read the shared state once (they start from the same reload generation).
         for client in clients:
-            await until(lambda c=client: c.app[ADMIN_KEY]._generation is not None)
+            await eventually(lambda c=client: c.app[ADMIN_KEY]._generation is not None)
         return clients[0], clients[1], paths[0], paths[1]
 
     return make
@@ -88,13 +80,13 @@ async def test_a_drain_on_one_router_reaches_the_other(
     answer = await (await a.post("/admin/replicas/r0/drain", headers=AUTH)).json()
     assert answer["shared"] is True
     assert draining(a) == {"r0"}
-    await until(lambda: draining(b) == {"r0"})
+    await eventually(lambda: draining(b) == {"r0"})
     assert await served_by(b, 4) == {"r1"}
     views = {v["name"]: v for v in (await (await b.get("/admin/replicas", headers=AUTH)).json())["replicas"]}
     assert views["r0"]["draining"] is True
 
     assert (await (await b.post("/admin/replicas/r0/undrain", headers=AUTH)).json())["shared"] is True
-    await until(lambda: draining(a) == set())
+    await eventually(lambda: draining(a) == set())
     assert await served_by(a, 4) == {"r0", "r1"}
 
 
@@ -110,7 +102,7 @@ async def test_a_reload_on_one_router_reaches_the_other_once_its_file_matches(
     await asyncio.sleep(1.5)
     assert names(b) == ["r0", "r1"]
     write_fleet(path_b, [r0, r1, r2])
-    await until(lambda: names(b) == ["r0", "r1", "r2"])
+    await eventually(lambda: names(b) == ["r0", "r1", "r2"])
     assert "r2" in await served_by(b, 6)
     # a does not reload again on its own announcement.
     metrics = await (await a.get("/metrics")).text()
@@ -130,7 +122,7 @@ async def test_redis_down_applies_locally_and_shares_when_back(
     await asyncio.sleep(1.5)
     assert draining(a) == {"r1"} and draining(b) == set()
     redis_server.start()
-    await until(lambda: draining(b) == {"r1"}, timeout_s=15)
+    await eventually(lambda: draining(b) == {"r1"}, within_s=15)
     assert draining(a) == {"r1"}
 
 

@@ -20,8 +20,8 @@ from aiohttp.test_utils import TestClient
 
 from kvrouter.app import LOAD, PROXY
 from kvrouter.typedefs import ReplicaName
-from tests.conftest import ReplicaFactory, RouterFactory
-from tests.faults_support import RawServer, ReplicaProcess, eventually
+from tests.conftest import ReplicaFactory, RouterFactory, eventually
+from tests.faults_support import RawServer, ReplicaProcess
 from tests.test_proxy import CHAT, metric_value
 
 STREAM = {**CHAT, "stream": True}

@@ -26,8 +26,8 @@ from kvrouter.app import ROUTER, create_app
 from kvrouter.config import parse_fleet
 from kvrouter.index import PrefixIndex
 from kvrouter.typedefs import ReplicaName
-from tests.conftest import router_settings
-from tests.faults_support import SimProcess, eventually
+from tests.conftest import eventually, router_settings
+from tests.faults_support import SimProcess
 from tests.test_proxy import metric_value
 
 SYSTEM = "You are the support assistant of a bank. " * 30

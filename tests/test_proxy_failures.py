@@ -9,18 +9,8 @@ import aiohttp
 import pytest
 
 from kvrouter.app import REPLICAS
-from tests.conftest import ReplicaFactory, RouterFactory
+from tests.conftest import ReplicaFactory, RouterFactory, eventually
 from tests.test_proxy import CHAT, metric_value
-
-
-async def wait_until(condition: object, within: float = 3.0) -> float:
-    """Poll `condition()` until true; returns the seconds it took."""
-    started = time.perf_counter()
-    while not condition():  # type: ignore[operator]
-        if time.perf_counter() - started > within:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.005)
-    return time.perf_counter() - started
 
 
 async def test_connect_failure_fails_over(fake_replicas: ReplicaFactory, make_router: RouterFactory) -> None:
@@ -109,7 +99,7 @@ async def test_breaker_skips_a_dead_replica_and_lets_it_back(
     assert await metric_value(client, "kvrouter_breaker_opens_total", replica="r0") == 1
 
     await replicas[0].start()  # same port
-    await wait_until(lambda: state.routable, within=2.0)
+    await eventually(lambda: state.routable, within_s=2.0)
     served = [(await client.post("/v1/chat/completions", json=CHAT)).headers["x-kvrouter-replica"] for _ in range(4)]
     assert "r0" in served
     assert (await (await client.get("/health")).json())["replicas"]["r0"]["state"] == "closed"
@@ -124,7 +114,7 @@ async def test_breaker_backoff_doubles_when_the_trial_fails(
     await client.post("/v1/chat/completions", json=CHAT)
     state = client.app[REPLICAS].by_name["r0"]
     first_window = state.open_until - time.monotonic()
-    await wait_until(lambda: state.routable)
+    await eventually(lambda: state.routable)
     for _ in range(2):
         await client.post("/v1/chat/completions", json=CHAT)
     second_window = state.open_until - time.monotonic()
@@ -138,12 +128,12 @@ async def test_active_probe_takes_a_sick_replica_out(fake_replicas: ReplicaFacto
     replicas[0].behaviour.health_status = 503
     client = await make_router(replicas, health_interval_s=0.05, breaker_failures=2, breaker_backoff_s=0.1)
     state = client.app[REPLICAS].by_name["r0"]
-    await wait_until(lambda: not state.routable)
+    await eventually(lambda: not state.routable)
     for _ in range(3):
         assert (await client.post("/v1/chat/completions", json=CHAT)).headers["x-kvrouter-replica"] == "r1"
     assert replicas[0].completions_seen() == []
     replicas[0].behaviour.health_status = 200
-    await wait_until(lambda: state.routable and state.consecutive_failures == 0)
+    await eventually(lambda: state.routable and state.consecutive_failures == 0)
 
 
 async def test_client_disconnect_cancels_upstream_at_once(
@@ -158,10 +148,10 @@ async def test_client_disconnect_cancels_upstream_at_once(
     await asyncio.wait_for(response.content.readany(), timeout=2.0)
     assert replicas[0].in_flight == 1
     response.close()  # drops the connection mid-stream
-    took = await wait_until(lambda: replicas[0].cancelled == ["gone"], within=2.0)
+    took = await eventually(lambda: replicas[0].cancelled == ["gone"], within_s=2.0)
     assert took < 0.5
     assert replicas[0].finished == []
-    await wait_until(lambda: client.app[REPLICAS].replicas[0].consecutive_failures == 0)
+    await eventually(lambda: client.app[REPLICAS].replicas[0].consecutive_failures == 0)
     health = await (await client.get("/health")).json()
     assert health["replicas"]["r0"]["in_flight"] == 0
 
@@ -172,11 +162,11 @@ async def test_client_disconnect_before_first_token_cancels_upstream(
     replicas = await fake_replicas(1, first_delay=5.0)
     client = await make_router(replicas)
     task = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}, headers={"x-request-id": "q"}))
-    await wait_until(lambda: replicas[0].in_flight == 1)
+    await eventually(lambda: replicas[0].in_flight == 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await wait_until(lambda: replicas[0].cancelled == ["q"], within=1.0)
+    await eventually(lambda: replicas[0].cancelled == ["q"], within_s=1.0)
 
 
 async def test_least_loaded_avoids_a_replica_holding_slow_streams(
@@ -208,7 +198,7 @@ async def test_half_open_replica_gets_one_trial_at_a_time(
     assert not state.routable
     replicas[0].behaviour.first_delay = 0.3
     await replicas[0].start()
-    await wait_until(lambda: state.routable)
+    await eventually(lambda: state.routable)
     burst = await asyncio.gather(*(client.post("/v1/chat/completions", json=CHAT) for _ in range(6)))
     assert [r.headers["x-kvrouter-replica"] for r in burst].count("r0") == 1
     assert all(r.status == 200 for r in burst)

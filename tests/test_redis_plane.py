@@ -17,6 +17,7 @@ from kvrouter.redisplane.follower import FollowerKnobs, RedisFollower, connect_r
 from kvrouter.redisplane.writer import WriterKnobs
 from kvrouter.relay import Relay, RelayKnobs
 from kvrouter.typedefs import ReplicaName
+from tests.conftest import eventually
 from tests.redis_fixtures import RedisServer, redis_server, redis_server_persistent
 from tests.redis_plane_support import SyntheticEngine, fixture_frames, index_view
 
@@ -106,14 +107,6 @@ class Router:
 
     async def stop(self) -> None:
         await self.follower.stop()
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 def caught_up(router: Router, relay: Relay) -> bool:

@@ -19,6 +19,7 @@ from kvrouter.events.wire import WireDecoder
 from kvrouter.redisplane.follower import connect_redis
 from kvrouter.relay import Relay
 from kvrouter.typedefs import ReplicaName
+from tests.conftest import eventually
 from tests.redis_fixtures import RedisServer, free_port, redis_server
 from tests.redis_plane_support import SyntheticEngine
 
@@ -68,13 +69,6 @@ def workers_listening(parent: int, port: int) -> set[int]:
     return owners
 
 
-async def eventually(condition, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.1)
-
-
 async def test_two_workers_share_the_port_each_follow_redis_and_one_is_restarted(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
@@ -108,7 +102,7 @@ async def test_two_workers_share_the_port_each_follow_redis_and_one_is_restarted
     log = (tmp_path / "router.log").open("wb")
     parent = await asyncio.create_subprocess_exec(*command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
-        await eventually(lambda: len(workers_listening(parent.pid, port)) == 2)
+        await eventually(lambda: len(workers_listening(parent.pid, port)) == 2, within_s=30.0, poll_s=0.1)
         first = workers_listening(parent.pid, port)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
 
@@ -130,7 +124,9 @@ async def test_two_workers_share_the_port_each_follow_redis_and_one_is_restarted
             async with session.get(f"http://127.0.0.1:{port}/ready") as response:
                 assert response.status == 200  # the other worker keeps serving
             await eventually(
-                lambda: len(workers_listening(parent.pid, port)) == 2 and victim not in children(parent.pid)
+                lambda: len(workers_listening(parent.pid, port)) == 2 and victim not in children(parent.pid),
+                within_s=30.0,
+                poll_s=0.1,
             )
         parent.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(parent.wait(), 30) == 0
