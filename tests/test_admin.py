@@ -23,7 +23,7 @@ from kvrouter.admin import READINESS_KEY
 from kvrouter.app import REPLICAS, create_app
 from kvrouter.config import load_fleet, parse_fleet
 from kvrouter.fleet_admin import ReloadRefused, plan_reload
-from tests.conftest import ReplicaFactory, eventually, router_settings
+from tests.conftest import ReplicaFactory, eventually, router_settings, stop_process
 from tests.fake_replica import FakeReplica
 
 TOKEN = "admin-secret"
@@ -406,12 +406,7 @@ def router_process(tmp_path: Path) -> Iterator[Callable[..., tuple[int, str]]]:
 
     yield start
     for process in started:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=15)
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvrouter.app import FLEET, create_app
 from kvrouter.config import load_fleet
-from tests.conftest import router_settings
+from tests.conftest import router_settings, stop_process
 from tests.deploy_support import DEPLOY, free_block
 
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kvrouter.json"
@@ -113,12 +113,7 @@ def sim_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             time.sleep(0.1)
         yield fleet_file
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def _answers(url: str) -> bool:
@@ -210,12 +205,7 @@ def prometheus(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], tuple[str,
 
     yield start
     for process in started:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 @pytest.mark.slow

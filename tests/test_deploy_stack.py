@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from kvrouter.config import load_fleet
+from tests.conftest import stop_process
 from tests.deploy_support import DEPLOY, compose_environment, free_block, load_compose, services_in
 from tests.redis_fixtures import RedisServer, free_port, redis_server  # noqa: F401  (fixture)
 
@@ -75,12 +76,7 @@ class Stack:
     def stop_service(self, name: str) -> None:
         service = self.services.pop(name)
         if service.process.poll() is None:
-            service.process.terminate()
-        try:
-            service.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            service.process.kill()
-            service.process.wait()
+            stop_process(service.process, timeout_s=15)
 
     def add_sim(self, name: str, command: list[str]) -> None:
         """Start one simulated replica on free ports with `command` (a compose sim service's) and list it."""

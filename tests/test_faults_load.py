@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 import yaml
 
+from tests.conftest import stop_process
 from tests.faults_support import ROOT, ReplicaProcess, _free_ports, _wait_http, rss_mb
 
 CLIENTS = 1000
@@ -40,12 +41,7 @@ def router(tmp_path: Path) -> Iterator[tuple[str, int]]:
         _wait_http(f"http://127.0.0.1:{port}/health", process, 60, "router")
         yield f"http://127.0.0.1:{port}", process.pid
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         for replica in replicas:
             replica.kill()
 

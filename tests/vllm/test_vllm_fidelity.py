@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import stop_process
 from tests.vllm_support.harness import MAX_MODEL_LEN, NUM_GPU_BLOCKS, http_call, stream_first_token
 from tests.vllm_support.server import SERVED_MODEL, VllmServer, free_port
 
@@ -115,12 +116,7 @@ def simulated_replica(tiny_model: Path, vllm_workdir: Path) -> Iterator[str]:
     try:
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
+        stop_process(process)
 
 
 def test_simulator_matches_real_vllm_on_cached_tokens_and_median_ttft(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import stop_process
 from tests.redis_fixtures import RedisServer
 from tests.vllm.test_vllm_routing import COMPLETIONS, assert_exact, completion, token_ids
 from tests.vllm_support.harness import CacheProbe, RouterProcess, Step
@@ -51,12 +52,7 @@ def relay(redis_for_vllm: RedisServer, fleet_yaml: Path, vllm_workdir: Path) -> 
     try:
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
+        stop_process(process)
 
 
 def redis_router(name: str, fleet_yaml: Path, redis: RedisServer, workdir: Path, replicas: int) -> RouterProcess:
