@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 from asyncio.subprocess import Process
@@ -17,15 +16,9 @@ import pytest
 
 from tests.conftest import ReplicaFactory
 from tests.fake_replica import FakeReplica
+from tests.redis_fixtures import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def start_router(tmp_path: Path, replicas: list[FakeReplica], *flags: str) -> tuple[Process, str]:
