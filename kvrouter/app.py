@@ -35,6 +35,7 @@ from kvrouter.load import LoadBook
 from kvrouter.metrics import RouterMetrics
 from kvrouter.policies import build_policy
 from kvrouter.proxy import Proxy
+from kvrouter.redisplane.follower import RedisFollower
 from kvrouter.redisplane.wiring import build_follower
 from kvrouter.replicas import ReplicaSet
 from kvrouter.routing import PrefixLookup, PromptTokenizer, Router
@@ -87,12 +88,14 @@ def build_prefix_parts(
 
         parts.contexts.append(close_tokenizer)
     if settings.redis_url is None:
-        events = EmbeddedEvents(fleet, index, metrics.events, clock=clock)
+        events = EmbeddedEvents(fleet, index, metrics.events, rcv_hwm=settings.events_rcv_hwm, clock=clock)
         parts.events = events
         parts.contexts.append(events.context)
     else:
         # Relay mode: the events come through Redis (`kvrouter relay`); readiness waits for the index to load.
         follower = build_follower(settings.redis_url, fleet, index, metrics.registry, clock=clock)
+        followed = follower.replicas
+        metrics.events.read_index_blocks(lambda: {name: index.held_counts().get(name, 0) for name in followed})
         parts.events = follower
         parts.contexts.append(follower.context)
     return parts
@@ -113,6 +116,7 @@ def create_app(
     lookup = prefix.index
     if lookup is not None and settings.kv_feedback:
         lookup = FeedbackLookup(lookup)  # engine-reported cache hits correct the index (kvrouter/feedback.py)
+        _tell_stores(prefix.events, lookup)
     router = Router(
         policy=build_policy(settings.policy, settings),
         load=load,
@@ -151,6 +155,14 @@ def create_app(
     app.cleanup_ctx.append(_replica_watch)
     app.cleanup_ctx.extend(prefix.contexts)
     return app
+
+
+def _tell_stores(events: object, feedback: FeedbackLookup) -> None:
+    """The feedback overlay clears a suspect block when its replica stores it again: it hears every live store."""
+    if isinstance(events, EmbeddedEvents):
+        events.ingest.on_stored = feedback.on_stored
+    elif isinstance(events, RedisFollower):
+        events.on_stored = feedback.on_stored
 
 
 def _forget_blocks(index: PrefixLookup) -> Callable[[ReplicaName], None]:

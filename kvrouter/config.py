@@ -215,6 +215,14 @@ class Settings(BaseSettings):
             "or matched keys are evicted. Unset: no budget."
         ),
     )
+    events_rcv_hwm: int = Field(
+        default=1000,
+        ge=1,
+        description=(
+            "KV-event messages queued per replica while ingest is behind (one message is one engine step's events); "
+            "beyond it the engine's publisher holds them, then drops them: a counted seq gap, replayed or cleared."
+        ),
+    )
 
     # The kv_aware policy's estimate of each replica's time to first token (kvrouter/policies/kv_aware.py).
     kv_prefill_tokens_per_s: float = Field(default=48_000.0, gt=0, description="A replica's prefill tokens/s.")

@@ -1,12 +1,13 @@
 """The router's own KV-event plane: one ZMQ source per replica feeding the prefix index in this process.
 
 `EmbeddedEvents` follows every replica of the fleet that names a `kv_events` publisher, applies each batch to
-the index through `IndexIngest`, and keeps the event metrics (per-event status counts, blocks per replica,
-ingest lag) current. It follows and unfollows replicas while running (the admin API's reload calls `follow` /
-`unfollow`), and `context` is the `cleanup_ctx` that starts and stops it with the application.
+the index through `IndexIngest`, and keeps the event metrics (per-event status counts, ingest lag) current; the
+blocks per replica are read from the index when scraped (`held_blocks`). It follows and unfollows replicas while
+running (the admin API's reload calls `follow` / `unfollow`), and `context` is the `cleanup_ctx` that starts and
+stops it with the application.
 
-Knobs: `replay_timeout_s` of each source; clocks are parameters (`wall_clock` is compared with the engines'
-batch timestamps for the lag gauge).
+Knobs: `replay_timeout_s` and `rcv_hwm` of each source (`zmq_source`); clocks are parameters (`wall_clock` is
+compared with the engines' batch timestamps for the lag gauge).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class EmbeddedEvents:
         metrics: EventMetrics,
         *,
         replay_timeout_s: float = 1.0,
+        rcv_hwm: int = 1000,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -46,6 +48,7 @@ class EmbeddedEvents:
         self.index = index
         self.metrics = metrics
         self.replay_timeout_s = replay_timeout_s
+        self.rcv_hwm = rcv_hwm
         self.clock = clock
         self.wall_clock = wall_clock
         self.ingest = IndexIngest(
@@ -57,12 +60,17 @@ class EmbeddedEvents:
         self.sources: dict[ReplicaName, ZmqEventSource] = {}
         self._tasks: dict[ReplicaName, asyncio.Task[None]] = {}
         self._context: zmq.asyncio.Context | None = None
+        metrics.read_index_blocks(self.held_blocks)
 
     def apply(self, batch: EventBatch) -> None:
-        """The sink of every source: index, then the gauges that describe it."""
+        """The sink of every source: index, then the lag gauge."""
         self.ingest.apply(batch)
-        self.metrics.index_blocks.labels(batch.replica).set(self.index.blocks_of(ReplicaName(batch.replica)))
         self.metrics.ingest_lag.labels(batch.replica).set(max(0.0, self.wall_clock() - batch.ts))
+
+    def held_blocks(self) -> dict[str, int]:
+        """Blocks the index holds per followed replica (a scan of the index: at scrape time, not per batch)."""
+        held = self.index.held_counts()
+        return {name: held.get(name, 0) for name in self.sources}
 
     async def follow(self, fleet: FleetConfig, replica: ReplicaConfig) -> None:
         name = replica.replica
@@ -78,6 +86,7 @@ class EmbeddedEvents:
             on_problem=self.metrics.count,
             data_parallel_size=replica.kv_events.data_parallel_size,
             replay_timeout_s=self.replay_timeout_s,
+            rcv_hwm=self.rcv_hwm,
             clock=self.clock,
         )
         self.sources[name] = source

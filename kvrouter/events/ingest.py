@@ -12,7 +12,9 @@ Only full-attention KV groups are indexed (hybrid models publish one store per g
 `ignored_group`).
 
 Every event ends in exactly one `(replica, type, status)` count, handed to `on_event` (the Prometheus counter in
-the app) and kept in `counts` for tests and the debug endpoint.
+the app) and kept in `counts` for tests and the debug endpoint. The keys of every indexed store also go to
+`on_stored` (the feedback overlay, `kvrouter.feedback`, clears its suspect blocks there), set after construction
+when the overlay is built later.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 EventCount = Callable[[str, str, str], None]
 """(replica, event type, status) -> None; called once per event."""
+StoredKeys = Callable[[ReplicaName, Sequence[BlockKey]], None]
+"""(replica, keys it now holds) -> None; called once per indexed `BlockStored`."""
 
 _FULL_ATTENTION = (None, "full_attention")
 
@@ -61,8 +65,10 @@ class IndexIngest:
         block_sizes: Mapping[ReplicaName, int],
         seed: int = 0,
         on_event: EventCount | None = None,
+        on_stored: StoredKeys | None = None,
     ) -> None:
         self.index = index
+        self.on_stored = on_stored
         self.block_sizes = dict(block_sizes)
         self.seed = seed
         self.on_event = on_event
@@ -124,6 +130,8 @@ class IndexIngest:
         except OverflowError:
             return "bad_event"  # a token id outside 0 .. 2**32-1: no engine sends one
         self.index.store_keys(replica, event.engine_hashes, keys, event.tier, dp_rank=rank)
+        if self.on_stored is not None:
+            self.on_stored(replica, keys)
         return "ok"
 
     def _removed(self, replica: ReplicaName, rank: int, event: BlockRemoved) -> str:
@@ -138,4 +146,4 @@ def _lora_only(extra: list[object], lora_name: str) -> bool:
     return all(not keys or list(keys) == [lora_name] for keys in extra)  # type: ignore[call-overload]
 
 
-__all__ = ["BlockStore", "EventCount", "IndexIngest"]
+__all__ = ["BlockStore", "EventCount", "IndexIngest", "StoredKeys"]

@@ -2,7 +2,9 @@
 
 Shared by the router's embedded ingest and the relay: `events` counts every event and every frame problem by
 (replica, type, status) — status "ok", or the reason it was skipped (see `ingest` and `zmq_source`);
-`index_blocks` is the blocks tracked per replica; `ingest_lag` is how old the engine's last batch was when it
+`index_blocks` is the blocks tracked per replica — set by the relay from its book, or, once `read_index_blocks`
+names a reader (the router's prefix index, `PrefixIndex.held_counts`), read at scrape time, so it reports what the
+index holds then rather than a count kept per batch; `ingest_lag` is how old the engine's last batch was when it
 was applied (engine clock vs. ours, so it includes clock skew); `load_only` is 1 when no tokenizer is configured
 and every request is routed on load alone.
 """
@@ -10,8 +12,13 @@ and every request is routed on load alone.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import Metric
+
+HeldBlocks = Callable[[], Mapping[str, int]]
+"""-> blocks held per followed replica (0 included), read at scrape time."""
 
 
 class EventMetrics:
@@ -22,8 +29,8 @@ class EventMetrics:
             ["replica", "type", "status"],
             registry=registry,
         )
-        self.index_blocks = Gauge(
-            "kvrouter_index_blocks", "KV blocks the prefix index tracks per replica.", ["replica"], registry=registry
+        self.index_blocks = _HeldGauge(
+            "kvrouter_index_blocks", "KV blocks the prefix index holds per replica.", ["replica"], registry=registry
         )
         self.ingest_lag = Gauge(
             "kvrouter_kv_event_lag_seconds",
@@ -40,7 +47,29 @@ class EventMetrics:
     def count(self, replica: str, kind: str, status: str) -> None:
         self.events.labels(replica, kind, status).inc()
 
+    def read_index_blocks(self, held: HeldBlocks) -> None:
+        """Report `index_blocks` from `held` at every scrape (replicas it no longer names are dropped)."""
+        self.index_blocks.held = held
+
     def forget(self, replica: str) -> None:
         for gauge in (self.index_blocks, self.ingest_lag):
             with contextlib.suppress(KeyError):
                 gauge.remove(replica)
+
+
+class _HeldGauge(Gauge):
+    """A gauge that, when scraped, first takes its values from `held` (if set)."""
+
+    held: HeldBlocks | None = None
+    _shown: frozenset[str] = frozenset()
+
+    def collect(self) -> Iterable[Metric]:
+        if self.held is not None:
+            counts = self.held()
+            for replica in self._shown - counts.keys():
+                with contextlib.suppress(KeyError):
+                    self.remove(replica)
+            for replica, blocks in counts.items():
+                self.labels(replica).set(blocks)
+            self._shown = frozenset(counts)
+        return super().collect()

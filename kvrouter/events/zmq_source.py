@@ -25,7 +25,10 @@ through `on_problem`, logged at most once per `log_every_s` per reason, and skip
 reopens the sockets after `reconnect_s`.
 
 Knobs: `replay_timeout_s` (wait for each replay reply), `recheck_s`, `data_parallel_size` (rank r of a connecting source
-publishes and replays on the configured ports + r, as vLLM assigns them).
+publishes and replays on the configured ports + r, as vLLM assigns them), `rcv_hwm` (messages the SUB socket
+queues while the sink is behind: it bounds this process's memory under an event flood; past it ZMQ stops reading
+and the backlog waits in the engine's publisher — vLLM's `KVEventsConfig.hwm` — which drops the excess, so the
+next message reveals a seq gap: replayed, or counted as lost and the rank cleared, never silent).
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ class ZmqEventSource:
         replay_timeout_s: float = 1.0,
         recheck_s: float = 1.0,
         reconnect_s: float = 1.0,
+        rcv_hwm: int = 1000,
         log_every_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger | None = None,
@@ -145,6 +149,7 @@ class ZmqEventSource:
         self.replay_timeout_s = replay_timeout_s
         self.recheck_s = recheck_s
         self.reconnect_s = reconnect_s
+        self.rcv_hwm = rcv_hwm
         self.tracker = SequenceTracker()
         self.decoder = WireDecoder()
         self.log = RateLimitedLog(logger or logging.getLogger(__name__), every_s=log_every_s, clock=clock)
@@ -209,7 +214,7 @@ class ZmqEventSource:
 
     def _open(self) -> zmq.asyncio.Socket:
         socket = self.context.socket(zmq.SUB)
-        socket.setsockopt(zmq.RCVHWM, 100_000)
+        socket.setsockopt(zmq.RCVHWM, self.rcv_hwm)
         socket.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
         for rank in range(self.data_parallel_size):
             endpoint = offset_endpoint(self.config.endpoint, rank)
