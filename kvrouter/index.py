@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -359,6 +359,23 @@ class PrefixIndex:
         for source in self._sources.values():
             if source.rank != _PROVISIONAL_RANK:
                 counts[source.replica] = counts.get(source.replica, 0) + len(source.blocks)
+        return counts
+
+    def held_counts(self) -> dict[ReplicaName, int]:
+        """Blocks each replica's event sources hold now: unlike `block_counts`, keys evicted under the budget whose
+        engine-hash mappings await the sweep are not counted. One pass over the key tables (for metrics)."""
+        masks: Iterable[int] = self._gpu.values()
+        if any(self._tiers[1:]):
+            merged = dict(self._gpu)  # a block in two tiers of a rank is one block
+            for table in self._tiers[1:]:
+                merged.update((key, merged.get(key, 0) | mask) for key, mask in table.items())
+            masks = merged.values()
+        counts: dict[ReplicaName, int] = {}
+        events = [s for s in self._sources.values() if s.rank != _PROVISIONAL_RANK]
+        for mask, held in Counter(masks).items():
+            for source in events:
+                if mask & source.bit:
+                    counts[source.replica] = counts.get(source.replica, 0) + held
         return counts
 
     def replicas(self) -> set[ReplicaName]:
