@@ -143,6 +143,8 @@ class RedisFollower:
         self._task: asyncio.Task[None] | None = None
         self._redis: Redis | None = None
         self._stopping = False
+        self.on_stored: Callable[[ReplicaName, Sequence[BlockKey]], None] | None = None
+        """Told the keys of every applied store (the feedback overlay clears its suspects there)."""
 
     # ---- health ---------------------------------------------------------------------------------------------
 
@@ -332,13 +334,12 @@ class RedisFollower:
         for op in ops:
             if isinstance(op, Stored):
                 followed.ranks.add(op.rank)
+                keys = cast(list[BlockKey], unpack_u64(op.keys))
                 sink.store_keys(
-                    replica,
-                    cast(list[EngineBlockHash], unpack_u64(op.hashes)),
-                    cast(list[BlockKey], unpack_u64(op.keys)),
-                    Tier(op.tier),
-                    dp_rank=op.rank,
+                    replica, cast(list[EngineBlockHash], unpack_u64(op.hashes)), keys, Tier(op.tier), dp_rank=op.rank
                 )
+                if self.on_stored is not None:
+                    self.on_stored(replica, keys)
             elif isinstance(op, Removed):
                 sink.remove_blocks(
                     replica, cast(list[EngineBlockHash], unpack_u64(op.hashes)), Tier(op.tier), dp_rank=op.rank
