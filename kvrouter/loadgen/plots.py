@@ -1,7 +1,8 @@
 """The bench report's PNG plots: TTFT CDF per row, TTFT over time, and per-replica load over time.
 
 matplotlib is imported inside `write_plots` with the Agg backend, so the bench needs no display and the rest of
-kvrouter never pays for matplotlib. Times are engine seconds (see `report.py`).
+kvrouter never pays for matplotlib. Times are engine seconds (see `report.py`). `save_figure` is the common
+finish of a one-axes plot, shared with the replay report.
 """
 
 from __future__ import annotations
@@ -43,11 +44,7 @@ def _ttft_cdf(plt: Any, path: Path, rows: Sequence[RowData], scale: float) -> Pa
     axes.set_xlabel("TTFT (s, log scale)")
     axes.set_ylabel("fraction of requests")
     axes.set_title("TTFT CDF")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(plt, figure, axes, path, dpi=110)
     return path
 
 
@@ -65,12 +62,17 @@ def _ttft_over_time(plt: Any, path: Path, rows: Sequence[RowData], scale: float)
     axes.set_xlabel("request start (s since the load began)")
     axes.set_ylabel("TTFT (s, log scale)")
     axes.set_title("TTFT over time")
+    save_figure(plt, figure, axes, path, dpi=110)
+    return path
+
+
+def save_figure(plt: Any, figure: Any, axes: Any, path: Path, *, dpi: int) -> None:
+    """The common finish of a one-axes plot: a log-friendly grid, the legend, then written as a PNG and closed."""
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=dpi)
     plt.close(figure)
-    return path
 
 
 def _window_p90(points: Sequence[tuple[float, float]], windows: int = 30) -> list[tuple[float, float]]:

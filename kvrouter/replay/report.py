@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvrouter.loadgen.plots import save_figure
 from kvrouter.loadgen.report import percentile
 from kvrouter.replay.driver import ReplayResult
 
@@ -159,11 +160,7 @@ def plot_ttft_cdf(path: Path, results: Sequence[ReplayResult], floors: Sequence[
     axes.set_xscale("log")
     axes.set_xlabel("TTFT (ms, log scale)")
     axes.set_ylabel("fraction of requests")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(plt, figure, axes, path, dpi=120)
 
 
 def write_outputs(
