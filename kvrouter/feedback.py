@@ -14,7 +14,9 @@ chose and corrects two things:
   keep overstating its cache loses credit until it behaves.
 
 Live, the proxy calls `expect` when it commits a request to a replica (with the request's block keys) and
-`settle` with the same token once the engine's usage arrives; replay calls `observe` directly. The index itself
+`settle` with the same token once the engine's usage arrives, and every store the event path applies (the embedded
+ZMQ ingest or the Redis follower; the app factory wires them) reaches `on_stored`; replay calls `observe` and
+`on_stored` directly. The index itself
 is never edited (its data layout is not this module's business); everything lives in this overlay
 and the overlay observes the same events the index does. Pure and synchronous; the clock is the caller's `now`.
 
