@@ -1,5 +1,5 @@
-"""Helpers for the Redis event-plane tests: real vLLM frames, a synthetic vLLM-format event stream, and a
-comparable view of a prefix index."""
+"""Helpers for the Redis event-plane tests: real vLLM frames, a synthetic vLLM-format event stream, a fleet of
+replicas known only by their events, and a comparable view of a prefix index."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvrouter.config import FleetConfig, KvEventsConfig, ReplicaConfig
 from kvrouter.index import PrefixIndex
 from kvrouter.typedefs import EngineBlockHash, ReplicaName
 
@@ -33,6 +34,21 @@ def fixture_frames(run: str) -> list[list[bytes]]:
         record = json.loads(line)
         messages.append([(frames_dir / name).read_bytes() for name in record["files"]])
     return messages
+
+
+def synthetic_fleet(*names: ReplicaName, block_size: int = 16) -> FleetConfig:
+    """Replicas that exist only as event streams the test feeds (port 9 in their URL and endpoint: never dialed)."""
+    return FleetConfig(
+        replicas=[
+            ReplicaConfig(
+                name=name,
+                url="http://127.0.0.1:9",  # type: ignore[arg-type]
+                kv_events=KvEventsConfig(endpoint="tcp://127.0.0.1:9"),
+            )
+            for name in names
+        ],
+        block_size=block_size,
+    )
 
 
 class SyntheticEngine:

@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 
 from kvrouter.app import ROUTER, create_app
-from kvrouter.config import FleetConfig, KvEventsConfig, ReplicaConfig, Settings
+from kvrouter.config import Settings
 from kvrouter.events.wire import WireDecoder
 from kvrouter.index import PrefixIndex
 from kvrouter.redisplane.follower import connect_redis
 from kvrouter.relay import Relay
 from kvrouter.typedefs import ReplicaName
 from tests.redis_fixtures import RedisServer, redis_server_persistent
-from tests.redis_plane_support import SyntheticEngine
+from tests.redis_plane_support import SyntheticEngine, synthetic_fleet
 
 pytestmark = pytest.mark.redis
 __all__ = ["redis_server_persistent"]
@@ -25,22 +25,9 @@ __all__ = ["redis_server_persistent"]
 SYN = ReplicaName("syn")
 
 
-def make_fleet() -> FleetConfig:
-    return FleetConfig(
-        replicas=[
-            ReplicaConfig(
-                name=SYN,
-                url="http://127.0.0.1:9",  # type: ignore[arg-type]
-                kv_events=KvEventsConfig(endpoint="tcp://127.0.0.1:9"),
-            )
-        ],
-        block_size=16,
-    )
-
-
 async def fill_redis(url: str) -> Relay:
     redis = connect_redis(url, socket_timeout_s=5.0)
-    relay = Relay(redis, make_fleet(), [SYN], clock_ms=lambda: time.time_ns() // 10**6)
+    relay = Relay(redis, synthetic_fleet(SYN), [SYN], clock_ms=lambda: time.time_ns() // 10**6)
     await relay.open()
     engine = SyntheticEngine(21)
     decoder = WireDecoder()
@@ -60,7 +47,7 @@ async def test_relay_mode_is_ready_only_once_the_index_is_loaded(
     await relay.redis.aclose()
     redis_server.kill()  # Redis is away when the router starts
     settings = Settings(redis_url=redis_server.url, health_interval_s=60, metrics_interval_s=60)
-    app = create_app(settings, make_fleet())
+    app = create_app(settings, synthetic_fleet(SYN))
     client = await aiohttp_client(app)
     index = app[ROUTER].index
     assert isinstance(index, PrefixIndex)

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 
-from kvrouter.config import FleetConfig, KvEventsConfig, ReplicaConfig
 from kvrouter.events.wire import WireDecoder
 from kvrouter.index import PrefixIndex
 from kvrouter.redisplane.clients import is_cluster
@@ -25,24 +24,10 @@ from kvrouter.redisplane.follower import FollowerKnobs, RedisFollower, connect_r
 from kvrouter.relay import Relay
 from kvrouter.typedefs import ReplicaName
 from tests.redis_fixtures import RedisServer, free_port
-from tests.redis_plane_support import SyntheticEngine, index_view
+from tests.redis_plane_support import SyntheticEngine, index_view, synthetic_fleet
 
 pytestmark = pytest.mark.redis
 NAMES = [ReplicaName(f"r{i}") for i in range(3)]
-
-
-def fleet() -> FleetConfig:
-    return FleetConfig(
-        replicas=[
-            ReplicaConfig(
-                name=name,
-                url="http://127.0.0.1:9",  # type: ignore[arg-type]
-                kv_events=KvEventsConfig(endpoint="tcp://127.0.0.1:9"),
-            )
-            for name in NAMES
-        ],
-        block_size=16,
-    )
 
 
 @pytest.fixture
@@ -115,7 +100,7 @@ def _cluster_command(node: RedisServer):  # type: ignore[no-untyped-def]
 
 async def run_plane(url: str) -> None:
     redis = connect_redis(url, socket_timeout_s=5.0)
-    relay = Relay(redis, fleet(), NAMES, clock_ms=lambda: time.time_ns() // 10**6)
+    relay = Relay(redis, synthetic_fleet(*NAMES), NAMES, clock_ms=lambda: time.time_ns() // 10**6)
     await relay.open()
     decoder = WireDecoder()
     hashes: set[int] = set()

@@ -14,14 +14,13 @@ import aiohttp
 import pytest
 import yaml
 
-from kvrouter.config import FleetConfig, KvEventsConfig, ReplicaConfig
 from kvrouter.events.wire import WireDecoder
 from kvrouter.redisplane.follower import connect_redis
 from kvrouter.relay import Relay
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import eventually
 from tests.redis_fixtures import RedisServer, free_port, redis_server
-from tests.redis_plane_support import SyntheticEngine
+from tests.redis_plane_support import SyntheticEngine, synthetic_fleet
 
 pytestmark = pytest.mark.redis
 __all__ = ["redis_server"]
@@ -72,16 +71,7 @@ def workers_listening(parent: int, port: int) -> set[int]:
 async def test_two_workers_share_the_port_each_follow_redis_and_one_is_restarted(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    fleet = FleetConfig(
-        replicas=[
-            ReplicaConfig(
-                name=SYN,
-                url="http://127.0.0.1:9",  # type: ignore[arg-type]
-                kv_events=KvEventsConfig(endpoint="tcp://127.0.0.1:9"),
-            )
-        ],
-        block_size=16,
-    )
+    fleet = synthetic_fleet(SYN)
     relay = Relay(connect_redis(redis_server.url), fleet, [SYN], clock_ms=lambda: time.time_ns() // 10**6)
     await relay.open()
     decoder, engine = WireDecoder(), SyntheticEngine(31)
