@@ -231,29 +231,15 @@ class FakeReplica:
     async def _metrics(self, request: web.Request) -> web.Response:
         behaviour = self.behaviour
         labels = 'engine="{engine}",model_name="' + self.model + '"'
-        lines = [
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-            "# TYPE vllm:num_requests_running gauge",
+        gauges: list[tuple[str, str, tuple[float, ...]]] = [
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", behaviour.running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", behaviour.waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", behaviour.kv_usage),
         ]
-        lines += [
-            f"vllm:num_requests_running{{{labels.format(engine=e)}}} {float(v)}"
-            for e, v in enumerate(behaviour.running)
-        ]
-        lines += [
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
-            "# TYPE vllm:num_requests_waiting gauge",
-        ]
-        lines += [
-            f"vllm:num_requests_waiting{{{labels.format(engine=e)}}} {float(v)}"
-            for e, v in enumerate(behaviour.waiting)
-        ]
-        lines += [
-            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
-            "# TYPE vllm:kv_cache_usage_perc gauge",
-        ]
-        lines += [
-            f"vllm:kv_cache_usage_perc{{{labels.format(engine=e)}}} {v}" for e, v in enumerate(behaviour.kv_usage)
-        ]
+        lines: list[str] = []
+        for name, description, values in gauges:
+            lines += [f"# HELP {name} {description}", f"# TYPE {name} gauge"]
+            lines += [f"{name}{{{labels.format(engine=e)}}} {float(v)}" for e, v in enumerate(values)]
         lines += [
             "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.",
             "# TYPE vllm:prefix_cache_queries_total counter",
