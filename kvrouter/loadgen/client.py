@@ -193,24 +193,16 @@ def _short(text: str) -> str:
 def fire_timings(fire: Fire, record: RequestRecord) -> None:
     """Report TTFT, mean inter-token latency and end-to-end time (with output tokens) as Locust requests."""
     failure = None if record.error is None else RuntimeError(record.error)
-    if record.ttft_s is not None:
-        fire(
-            request_type="TTFT",
-            name=record.label,
-            response_time=record.ttft_s * 1000,
-            response_length=0,
-            exception=None,
-            context={},
-        )
-    if record.itl_mean_s is not None:
-        fire(
-            request_type="ITL",
-            name=record.label,
-            response_time=record.itl_mean_s * 1000,
-            response_length=0,
-            exception=None,
-            context={},
-        )
+    for kind, seconds in (("TTFT", record.ttft_s), ("ITL", record.itl_mean_s)):
+        if seconds is not None:
+            fire(
+                request_type=kind,
+                name=record.label,
+                response_time=seconds * 1000,
+                response_length=0,
+                exception=None,
+                context={},
+            )
     fire(
         request_type="E2E",
         name=record.label,
