@@ -4,7 +4,6 @@ the router's embedded ZMQ ingest, the tokenizer, the index, and /debug/route sho
 from __future__ import annotations
 
 import asyncio
-import socket as pysocket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,16 +23,10 @@ from kvrouter.openai_request import parse_request
 from kvrouter.tinymodel import ensure_tokenizer
 from kvrouter.tokenization import HfPromptTokenizer
 from tests.conftest import ReplicaFactory, router_settings
+from tests.redis_fixtures import free_port
 
 BLOCK = 16
 PROMPT = "def handler(request):\n    return request.json()\n" * 30
-
-
-def free_port() -> int:
-    with pysocket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")
