@@ -284,6 +284,7 @@ async def _serve(relay: Relay, fleet: FleetConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     task = asyncio.create_task(serve_relay(relay, fleet, context=context))
     await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     task.cancel()

@@ -291,6 +291,7 @@ async def publish(pub: zmq.asyncio.Socket, payloads: list[bytes]) -> None:
 
 async def embedded_rate(payloads: list[bytes]) -> float:
     context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
@@ -323,6 +324,7 @@ async def embedded_rate(payloads: list[bytes]) -> float:
 async def relay_rate(url: str, payloads: list[bytes], workdir: Path) -> tuple[float, float]:
     redis_sync.Redis.from_url(url).flushall()
     context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")

@@ -45,6 +45,7 @@ def publish(endpoints: list[str], rate: float, seconds: float, events_per_messag
     import zmq
 
     context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     sockets = []
     for endpoint in endpoints:
         socket = context.socket(zmq.PUB)

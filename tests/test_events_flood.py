@@ -54,6 +54,7 @@ class Publisher:
 
     def _run(self) -> None:
         context = zmq.Context()
+        context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
         pub = context.socket(zmq.XPUB)
         pub.setsockopt(zmq.SNDHWM, 16)
         pub.setsockopt(zmq.SNDBUF, 64 * 1024)
@@ -82,6 +83,7 @@ class Publisher:
 @pytest.fixture
 async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     yield ctx
     ctx.destroy(linger=0)
 

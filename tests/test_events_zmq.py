@@ -81,6 +81,7 @@ class FakeEngine:
 @pytest.fixture
 async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     yield ctx
     ctx.destroy(linger=0)
 

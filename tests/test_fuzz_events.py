@@ -166,6 +166,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 @pytest.fixture(scope="module")
 def harness(loop: asyncio.AbstractEventLoop) -> Iterator[Harness]:
     context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     yield Harness(context)
     context.destroy(linger=0)
 

@@ -37,6 +37,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 async def publisher() -> AsyncIterator[tuple[zmq.asyncio.Socket, str]]:
     context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     pub = context.socket(zmq.PUB)
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     pub.bind(endpoint)

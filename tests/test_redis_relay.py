@@ -120,6 +120,7 @@ async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
     redis_server: RedisServer, relay_process: list[RelayProcess], tmp_path: Path
 ) -> None:
     context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     syn_pub, real_pub = FramePublisher(context), FramePublisher(context)
     replicas_yaml = tmp_path / "replicas.yaml"
     replicas_yaml.write_text(

@@ -41,6 +41,7 @@ SYN = ReplicaName("syn")
 @pytest.fixture
 async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     yield ctx
     ctx.destroy(linger=0)
 
@@ -223,6 +224,7 @@ class Scene:
 @pytest.fixture
 async def scene(redis_server: RedisServer) -> AsyncIterator[tuple[Scene, FramePublisher]]:
     context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     publisher = FramePublisher(context, buffer=40)
     made = Scene(redis_server.url, context, publisher)
     made.follower.start()

@@ -76,6 +76,7 @@ class Replica:
 @pytest.fixture
 async def make_replica(aiohttp_client: MakeClient) -> AsyncIterator[Callable[..., Awaitable[Replica]]]:
     context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     tokenizer = SimTokenizer(FIXTURES / "model")
     subs: list[zmq.asyncio.Socket] = []
 

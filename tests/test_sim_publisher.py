@@ -86,6 +86,7 @@ def normalised(fields: Any) -> Any:
 @pytest.fixture
 async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     yield ctx
     ctx.destroy(linger=0)
 

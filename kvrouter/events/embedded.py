@@ -107,6 +107,7 @@ class EmbeddedEvents:
 
     async def start(self) -> None:
         self._context = zmq.asyncio.Context()
+        self._context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
         for replica in self.fleet.replicas:
             await self.follow(self.fleet, replica)
 

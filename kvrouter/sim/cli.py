@@ -164,6 +164,7 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
     max_model_len = args.max_model_len or profile.max_model_len
     adapters = tuple(name.strip() for name in args.lora_adapters.split(",") if name.strip())
     context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
     runners: list[web.AppRunner] = []
     plan = layouts(args.replicas, args.base_port, args.kv_base_port)
     try:
