@@ -363,7 +363,10 @@ class PrefixIndex:
 
     def held_counts(self) -> dict[ReplicaName, int]:
         """Blocks each replica's event sources hold now: unlike `block_counts`, keys evicted under the budget whose
-        engine-hash mappings await the sweep are not counted. One pass over the key tables (for metrics)."""
+        engine-hash mappings await the sweep are not counted. Without a budget nothing is evicted, so the per-source
+        counts are exact and cost nothing; with one, one pass over the (budget-bounded) key tables."""
+        if self.max_blocks is None:
+            return self.block_counts()
         masks: Iterable[int] = self._gpu.values()
         if any(self._tiers[1:]):
             merged = dict(self._gpu)  # a block in two tiers of a rank is one block
