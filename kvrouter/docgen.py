@@ -22,6 +22,7 @@ import types
 import typing
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import cast
 
 import annotated_types
 from prometheus_client import CollectorRegistry
@@ -326,15 +327,36 @@ def _app_metrics(settings: Settings) -> dict[str, tuple[str, tuple[str, ...], st
     return _collectors(registry)
 
 
+def _relay_metrics() -> dict[str, tuple[str, tuple[str, ...], str]]:
+    """The relay's own metrics (`kvrouter relay --metrics-port`), read from its collector over one idle replica."""
+    from types import SimpleNamespace
+
+    from kvrouter.relay import Relay, RelayCollector
+
+    idle = SimpleNamespace(
+        redis_up=False,
+        writers={"r": SimpleNamespace(stats=SimpleNamespace(entries=0, snapshots=0, epochs=0))},
+        sources={"r": SimpleNamespace(lost_clears=0)},
+    )
+    registry = CollectorRegistry()
+    registry.register(RelayCollector(cast(Relay, idle)))
+    return _collectors(registry)
+
+
 def render_metrics() -> str:
     embedded = _app_metrics(Settings())
     redis = _app_metrics(Settings(redis_url="redis://127.0.0.1:6379/0"))
+    relay = _relay_metrics()
     lines = [METRICS_HEADER, "| metric | type | labels | modes | description |", "|---|---|---|---|---|"]
     for name in sorted(set(embedded) | set(redis)):
         kind, labels, text = embedded.get(name) or redis[name]
         modes = "both" if name in embedded and name in redis else "embedded ZMQ" if name in embedded else "Redis"
         label_text = ", ".join(f"`{label}`" for label in labels)
         lines.append(f"| `{name}` | {kind} | {label_text} | {modes} | {_cell(text)} |")
+    for name in sorted(set(relay) - set(embedded) - set(redis)):
+        kind, labels, text = relay[name]
+        label_text = ", ".join(f"`{label}`" for label in labels)
+        lines.append(f"| `{name}` | {kind} | {label_text} | relay | {_cell(text)} |")
     lines.append("")
     return "\n".join(lines)
 

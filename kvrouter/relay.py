@@ -9,7 +9,7 @@ a bounded stream plus a periodic snapshot, and a new epoch on engine restart or 
 A restarted relay first reads each replica's state back from Redis and resumes the engine's sequence numbers
 from there (`ZmqEventSource.resume_from`): at once, without waiting for the engine's next message, vLLM's replay
 buffer fills the gap. When the buffer no longer reaches back that far the replica's DP rank is cleared and
-rebuilt from what follows, under a new epoch (counted as `kvrouter_relay_lost_clears`); if Redis lost its data
+rebuilt from what follows, under a new epoch (counted as `kvrouter_relay_lost_clears_total`); if Redis lost its data
 the relay rebuilds it from its own state under a new epoch.
 
 One relay can serve many replicas (``--only NAME`` picks some, for a sidecar per replica). Knobs:
