@@ -50,7 +50,8 @@ each): overhead 3.3 ms, per_token 38 us (~26k prefill tokens/s on one core), kv_
 attention 2.7e-8 s per pair, front end 4 ms of sleep (real vLLM's client TTFT minus engine prefill time is
 7.3-7.6 ms on a lightly loaded machine, 13.5 ms on a loaded one; the simulator's own HTTP and tokenizer path adds
 ~3 ms of real time on top of the sleep: with 9 ms it ran 4-5 ms slower than real vLLM on every cached request of
-the fidelity test on an idle machine (median TTFT ratio 1.21); with 6 ms, 1.09-1.17; with 4 ms, 0.97-1.03). Capacity: 1 GiB of
+the fidelity test on an idle machine (median TTFT ratio 1.21); with 6 ms, 1.09-1.17; with 4 ms, 0.97-1.03).
+Capacity: 1 GiB of
 VLLM_CPU_KVCACHE_SPACE / 8 KiB per token = 131,072 tokens (vLLM reports 4,096 blocks of 32). Scheduler: vLLM's
 CPU defaults for the API server (max_num_seqs 128, max_num_batched_tokens 2048), block size 32 (16 fails on
 CPU), max_model_len 4096. Check: an uncached 2,048-token prompt gives 140 ms in the engine + ~7 ms (measured
