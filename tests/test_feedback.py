@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from typing import Any
 
-import msgspec
 import pytest
-import zmq.asyncio
-from prometheus_client import CollectorRegistry
 
-from kvrouter.app import create_app
-from kvrouter.blocks import cacheable_tokens
-from kvrouter.config import parse_fleet
-from kvrouter.events.wire import encode_seq
 from kvrouter.feedback import FeedbackConfig, FeedbackLookup
 from kvrouter.index import PrefixIndex
-from kvrouter.openai_request import parse_request
-from kvrouter.tokenization import HfPromptTokenizer
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
-from tests.conftest import ReplicaFactory, router_settings
-from tests.test_prefix_integration import BLOCK as BLOCK_TOKENS
-from tests.test_prefix_integration import PROMPT, eventually, publisher, route, stored, tokenizer_dir
-
-__all__ = ["publisher", "tokenizer_dir"]  # fixtures shared with the prefix-plane integration test
 
 A, B = ReplicaName("a"), ReplicaName("b")
 KEYS = [BlockKey(100 + n) for n in range(8)]
@@ -120,40 +104,3 @@ def test_replay_with_lost_removals_feedback_keeps_the_prediction_honest() -> Non
     plain, corrected = run(False), run(True)
     assert plain["gap"] > 0.005  # engine-0's index keeps evicted blocks: the router over-predicts
     assert abs(corrected["gap"]) < plain["gap"] * 0.8
-
-
-async def test_live_proxy_repairs_a_replica_whose_engine_reports_a_miss(
-    aiohttp_client: Any,
-    fake_replicas: ReplicaFactory,
-    tokenizer_dir: Path,
-    publisher: tuple[zmq.asyncio.Socket, str],
-) -> None:
-    """kv_feedback on: the index says the replica holds the prompt, the engine serves none of it from cache."""
-    pub, endpoint = publisher
-    (replica,) = await fake_replicas(1)
-    fleet = parse_fleet(
-        {
-            "tokenizer": str(tokenizer_dir),
-            "block_size": BLOCK_TOKENS,
-            "replicas": [{"name": replica.name, "url": replica.url, "kv_events": {"endpoint": endpoint}}],
-        },
-        Path("replicas.yaml"),
-    )
-    settings = router_settings(policy="kv_aware", kv_feedback=True)
-    client = await aiohttp_client(create_app(settings, fleet, registry=CollectorRegistry()))
-    ids = HfPromptTokenizer(tokenizer_dir, threads=1).token_ids(
-        parse_request("completion", msgspec.json.encode({"prompt": PROMPT}))
-    )[0]
-    held = 10
-    for seq in range(300):  # PUB/SUB drops messages until the subscription lands
-        await pub.send_multipart([b"kv-events", encode_seq(seq), stored(list(range(held)), ids[: held * BLOCK_TOKENS])])
-        await asyncio.sleep(0.02)
-        if (await route(client))[replica.name]:
-            break
-    expected = cacheable_tokens(len(ids), held, BLOCK_TOKENS)
-    await eventually(client, {replica.name: expected})
-
-    response = await client.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 2})
-    assert response.status == 200
-    assert (await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert await route(client) == {replica.name: 0}  # the first block is suspect there now
