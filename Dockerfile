@@ -12,8 +12,8 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
-# Every runtime dependency ships manylinux wheels; build-essential is here only for the rare platform that
-# lacks one (e.g. a new arm64 wheel tag) and never leaves this stage.
+# build-essential compiles kvrouter's own C extension (the prefix index's tables, kvrouter/_blocktable.c) and
+# any dependency without a wheel for the platform; it never leaves this stage.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends build-essential \
     && rm -rf /var/lib/apt/lists/*
@@ -28,6 +28,7 @@ RUN mkdir -p kvrouter && touch kvrouter/__init__.py \
     && pip uninstall -y kvrouter
 COPY kvrouter ./kvrouter
 RUN pip install --no-deps . \
+    && (cd / && python -c "from kvrouter.blocktable import native_backend; native_backend()") \
     && KVROUTER_CACHE_DIR=/opt/kvrouter python -c "from kvrouter.tinymodel import ensure_tokenizer; ensure_tokenizer()"
 
 FROM ${PYTHON_IMAGE} AS runtime

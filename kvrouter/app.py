@@ -71,6 +71,12 @@ def build_prefix_parts(
 ) -> PrefixParts:
     """The prefix index, the fleet's tokenizer and the embedded ZMQ ingest of every replica's KV events."""
     index = PrefixIndex(provisional_ttl_s=settings.provisional_ttl_s, max_blocks=settings.index_max_blocks)
+    if index.backend.name != "native":
+        log.warning(
+            "the prefix index runs on its pure-Python tables (kvrouter._blocktable was not built: install with a C "
+            "compiler present): ~3x the memory per block and slower lookups"
+        )
+    metrics.events.index_bytes.set_function(index.table_bytes)
     parts = PrefixParts(index=index)
     if fleet.tokenizer is None:
         log.warning("replicas.yaml names no tokenizer: requests are routed on load only, without prefix matching")

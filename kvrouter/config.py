@@ -211,7 +211,7 @@ class Settings(BaseSettings):
         default=None,
         ge=1,
         description=(
-            "Budget of block keys the prefix index tracks (~140 bytes each); beyond it the least recently stored "
+            "Budget of block keys the prefix index tracks (~40-60 bytes each); beyond it the least recently stored "
             "or matched keys are evicted. Unset: no budget."
         ),
     )

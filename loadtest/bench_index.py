@@ -10,7 +10,11 @@ keys, ingest and lookup are timed in CPU time of the benchmark thread (per-core 
 * ingest in blocks/s from vLLM-format msgpack batches (decode + keys + index) and index-only, vs. a dict insert;
 * lookup of a 512-block prompt over 4 and 64 replicas (p50, p99) vs. a per-key loop over a dict of sets, and
   over 4 replicas that also carry provisional marks of recently routed requests ("4 + marks");
-* bytes per tracked block (tracemalloc) for one replica and for four replicas sharing the blocks.
+* bytes per tracked block (tracemalloc) for one replica, for four replicas sharing the blocks and for 64
+  replicas each with its own, at several sizes (the tables' load moves between growth steps), with and
+  without a block budget.
+Index figures are printed for the compiled tables (`native`, what the router runs) and, next to them, for their
+pure-Python twin (`pure`, what runs when the extension was not built).
 Targets: >= 1M blocks/s ingested per core, <= 20 us lookup p50, <= 64 bytes per block.
 """
 
@@ -33,6 +37,7 @@ import msgspec
 import xxhash
 
 from kvrouter.blocks import chain_keys
+from kvrouter.blocktable import Backend, native_backend, pure_backend
 from kvrouter.events.ingest import IndexIngest
 from kvrouter.events.wire import WireDecoder
 from kvrouter.index import PrefixIndex
@@ -150,7 +155,7 @@ def event_payloads(count: int, blocks_per_event: int, rng: random.Random) -> lis
     return payloads
 
 
-def bench_ingest(batches: int, repeat: int) -> None:
+def bench_ingest(batches: int, repeat: int, backends: list[Backend]) -> None:
     rng = random.Random(2)
     per_event = 32
     payloads = event_payloads(batches, per_event, rng)
@@ -161,22 +166,22 @@ def bench_ingest(batches: int, repeat: int) -> None:
     hashes = [EngineBlockHash(rng.getrandbits(64)) for _ in range(total_blocks)]
     replica = ReplicaName("r0")
 
-    def full() -> None:
-        ingest = IndexIngest(PrefixIndex(), block_sizes={replica: BLOCK})
+    def full(backend: Backend) -> None:
+        ingest = IndexIngest(PrefixIndex(backend=backend), block_sizes={replica: BLOCK})
         for seq, payload in enumerate(payloads):
             batch, _ = decoder.decode_payload("r0", seq, payload)
             assert batch is not None
             ingest.apply(batch)
         assert ingest.counts == {(replica, "BlockStored", "ok"): batches}
 
-    def no_decode() -> None:
-        ingest = IndexIngest(PrefixIndex(), block_sizes={replica: BLOCK})
+    def no_decode(backend: Backend) -> None:
+        ingest = IndexIngest(PrefixIndex(backend=backend), block_sizes={replica: BLOCK})
         for batch in decoded:
             assert batch is not None
             ingest.apply(batch)
 
-    def index_only() -> None:
-        index = PrefixIndex()
+    def index_only(backend: Backend) -> None:
+        index = PrefixIndex(backend=backend)
         for at in range(0, total_blocks, per_event):
             index.store_keys(replica, hashes[at : at + per_event], keys[at : at + per_event])
 
@@ -186,9 +191,13 @@ def bench_ingest(batches: int, repeat: int) -> None:
         for key in keys:
             plain[key] = get(key, 0) | 1
 
-    samples: dict[str, list[float]] = {name: [] for name in ("full", "no_decode", "index_only", "baseline")}
+    runs: dict[str, Callable[[], None]] = {"baseline": baseline}
+    for backend in backends:
+        for name, run in (("full", full), ("no_decode", no_decode), ("index_only", index_only)):
+            runs[f"{name} {backend.name}"] = partial(run, backend)
+    samples: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeat):
-        for name, run in (("full", full), ("no_decode", no_decode), ("index_only", index_only), ("baseline", baseline)):
+        for name, run in runs.items():  # interleaved, so a busy spell hits every variant alike
             gc.collect()
             samples[name] += timed(run, 1)
 
@@ -196,21 +205,22 @@ def bench_ingest(batches: int, repeat: int) -> None:
         return total_blocks / statistics.median(samples[name]) / 1e6
 
     print(f"\n## ingest, CPU time ({total_blocks} blocks, {per_event} per BlockStored, chained; median of {repeat})")
-    print(f"  decode + keys + index : {rate('full'):.2f} M blocks/s")
-    print(f"  keys + index          : {rate('no_decode'):.2f} M blocks/s")
-    print(f"  index.store_keys only : {rate('index_only'):.2f} M blocks/s")
+    print(f"  {'M blocks/s':<22}" + "".join(f"{b.name:>9}" for b in backends))
+    labels = {"full": "decode + keys + index", "no_decode": "keys + index", "index_only": "store_keys only"}
+    for name, label in labels.items():
+        print(f"  {label:<22}" + "".join(f"{rate(f'{name} {b.name}'):>9.2f}" for b in backends))
     print(f"  baseline dict |= loop : {rate('baseline'):.2f} M blocks/s")
 
 
 # ---- lookup -------------------------------------------------------------------------------------------------
 
 
-def bench_lookup(repeat: int, background: int) -> None:
+def bench_lookup(repeat: int, background: int, backend: Backend) -> None:
     rng = random.Random(3)
-    print("\n## lookup of a 512-block prompt (us of CPU time)")
+    print(f"\n## lookup of a 512-block prompt, {backend.name} tables (us of CPU time)")
     print(f"{'replicas':>9} {'p50':>8} {'p99':>8} {'baseline p50':>13}  (baseline: per-key loop over dict of sets)")
     for replicas, marked in ((4, False), (4, True), (64, False)):
-        index = PrefixIndex()
+        index = PrefixIndex(backend=backend)
         reference: dict[int, set[str]] = {}
         prompt = [BlockKey(rng.getrandbits(64)) for _ in range(512)]
         names = [ReplicaName(f"r{n}") for n in range(replicas)]
@@ -254,31 +264,38 @@ def bench_lookup(repeat: int, background: int) -> None:
 # ---- memory -------------------------------------------------------------------------------------------------
 
 
-def bench_memory(blocks: int) -> None:
+def bench_memory(sizes: list[int], backend: Backend) -> None:
+    """tracemalloc's count of what building the index allocates. The native tables hold raw 64-bit words; the
+    pure ones hold the callers' int objects, which were allocated before tracing began and are added here."""
     rng = random.Random(4)
-    keys = [BlockKey(rng.getrandbits(64) | 1 << 63) for _ in range(blocks)]
-    print(f"\n## bytes per tracked block ({blocks} blocks, tracemalloc; key and hash ints included)")
-    for replicas in (1, 4):
-        hashes = [[EngineBlockHash(rng.getrandbits(64) | 1 << 63) for _ in range(blocks)] for _ in range(replicas)]
-        fresh_keys = [BlockKey(int(str(k))) for k in keys]  # new int objects, so they are counted
-        gc.collect()
-        tracemalloc.start()
-        before = tracemalloc.get_traced_memory()[0]
-        index = PrefixIndex()
-        for n in range(replicas):
-            index.store_keys(ReplicaName(f"r{n}"), hashes[n], fresh_keys)
-        after = tracemalloc.get_traced_memory()[0]
-        tracemalloc.stop()
-        # The hash ints were allocated before tracing began; count them as the index owns them.
-        hash_bytes = sum(h.__sizeof__() for row in hashes for h in row)
-        key_bytes = sum(k.__sizeof__() for k in fresh_keys)
-        per_block = (after - before + hash_bytes + key_bytes) / blocks
-        per_replica_block = per_block / replicas
-        print(
-            f"  {replicas} replica(s): {per_block:.0f} bytes per distinct block, "
-            f"{per_replica_block:.0f} bytes per (replica, block) entry"
-        )
-        del index
+    print(f"\n## bytes per tracked block, {backend.name} tables (tracemalloc; key and hash ints included)")
+    print(f"{'blocks':>9} {'1 replica':>10} {'+budget':>8} {'4 sharing':>10} {'per entry':>10} {'64 own':>8}")
+    for blocks in sizes:
+        keys = [BlockKey(rng.getrandbits(64) | 1 << 63) for _ in range(blocks)]
+        row = []
+        for replicas, shared, budget in ((1, True, None), (1, True, blocks), (4, True, None), (64, False, None)):
+            hashes = [EngineBlockHash(rng.getrandbits(64) | 1 << 63) for _ in range(blocks)]
+            per = blocks // replicas if not shared else blocks
+            fresh_keys = [BlockKey(int(str(k))) for k in keys]  # new int objects, so they are counted
+            gc.collect()
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            index = PrefixIndex(backend=backend, max_blocks=budget)
+            for n in range(replicas):
+                at = 0 if shared else n * per
+                index.store_keys(ReplicaName(f"r{n}"), hashes[at : at + per], fresh_keys[at : at + per])
+            after = tracemalloc.get_traced_memory()[0]
+            tracemalloc.stop()
+            held = 0
+            if backend.name == "pure":  # the dicts keep the callers' ints alive
+                held = sum(h.__sizeof__() for h in hashes) * (replicas if shared else 1)
+                held += sum(k.__sizeof__() for k in fresh_keys)
+            row.append((after - before + held) / blocks)
+            del index
+        one, budgeted, four, many = row
+        print(f"{blocks:>9} {one:>10.0f} {budgeted:>8.0f} {four:>10.0f} {four / 4:>10.0f} {many:>8.0f}")
+    print("  (per distinct block; 'per entry' = 4 sharing / 4, per (replica, block); '64 own': 64 replicas, each")
+    print("   holding its own share of the blocks, so 128 source bits with their provisional slots)")
 
 
 def main() -> None:
@@ -295,9 +312,12 @@ def main() -> None:
         path = args.tokenizer
     bench_tokenization(path, 3 if args.quick else 5)
     bench_keys(repeat * 20)
-    bench_ingest(2_000 if args.quick else 5_000, 3 if args.quick else 5)
-    bench_lookup(repeat * 100, 100_000)
-    bench_memory(100_000 if args.quick else 300_000)
+    backends = [native_backend(), pure_backend()]
+    bench_ingest(2_000 if args.quick else 5_000, 3 if args.quick else 5, backends)
+    for backend in backends:
+        bench_lookup(repeat * 100 if backend.name == "native" else repeat * 20, 100_000, backend)
+    for backend in backends:
+        bench_memory([100_000, 300_000] if args.quick else [100_000, 200_000, 300_000, 1_000_000], backend)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
+
 from kvrouter.blocks import chain_keys
+from kvrouter.blocktable import Backend, native_backend, pure_backend
 from kvrouter.events.ingest import IndexIngest
 from kvrouter.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEvent
 from kvrouter.index import PrefixIndex
@@ -11,6 +16,13 @@ from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 A, B = ReplicaName("a"), ReplicaName("b")
 BS = 4
+
+@pytest.fixture(params=[native_backend, pure_backend], ids=["native", "pure"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Every index example runs on the compiled tables and on their pure-Python twin."""
+    factory: Callable[[], Backend] = request.param
+    return factory()
+
 
 
 def keys(n: int, start: int = 0) -> list[BlockKey]:
@@ -36,8 +48,8 @@ def batch(replica: str, *events: KvEvent, rank: int = 0) -> EventBatch:
 # ---- index --------------------------------------------------------------------------------------------------
 
 
-def test_longest_prefix_per_replica_stops_where_nobody_matches() -> None:
-    index = PrefixIndex()
+def test_longest_prefix_per_replica_stops_where_nobody_matches(backend: Backend) -> None:
+    index = PrefixIndex(backend=backend)
     index.store_keys(A, hashes(100), keys(100))
     index.store_keys(B, hashes(3), keys(3))
     query = keys(100) + keys(400, start=1000)
@@ -46,16 +58,16 @@ def test_longest_prefix_per_replica_stops_where_nobody_matches() -> None:
     assert index.longest_prefixes([], 0.0) == {}
 
 
-def test_a_hole_ends_the_prefix_even_if_later_blocks_are_held() -> None:
-    index = PrefixIndex()
+def test_a_hole_ends_the_prefix_even_if_later_blocks_are_held(backend: Backend) -> None:
+    index = PrefixIndex(backend=backend)
     index.store_keys(A, hashes(10), keys(10))
     index.remove_blocks(A, [hashes(10)[4]])
     assert index.longest_prefixes(keys(10), 0.0) == {A: PrefixMatch(4, 4)}
     assert index.blocks_of(A) == 9
 
 
-def test_lower_tiers_count_as_cached_but_not_as_gpu() -> None:
-    index = PrefixIndex()
+def test_lower_tiers_count_as_cached_but_not_as_gpu(backend: Backend) -> None:
+    index = PrefixIndex(backend=backend)
     index.store_keys(A, hashes(4), keys(4), Tier.GPU)
     index.store_keys(A, hashes(8), keys(8), Tier.CPU)
     assert index.longest_prefixes(keys(8), 0.0) == {A: PrefixMatch(8, 4)}
@@ -66,8 +78,8 @@ def test_lower_tiers_count_as_cached_but_not_as_gpu() -> None:
     assert index.longest_prefixes(keys(8), 0.0) == {} and index.blocks_of(A) == 0
 
 
-def test_data_parallel_ranks_are_separate_caches_of_one_replica() -> None:
-    index = PrefixIndex()
+def test_data_parallel_ranks_are_separate_caches_of_one_replica(backend: Backend) -> None:
+    index = PrefixIndex(backend=backend)
     index.store_keys(A, hashes(6), keys(6), dp_rank=0)
     index.store_keys(A, hashes(2), keys(2), dp_rank=1)
     assert index.longest_prefixes(keys(6), 0.0) == {A: PrefixMatch(6, 6)}
@@ -77,8 +89,8 @@ def test_data_parallel_ranks_are_separate_caches_of_one_replica() -> None:
     assert index.longest_prefixes(keys(6), 0.0) == {}
 
 
-def test_provisional_marks_expire_and_real_events_replace_them() -> None:
-    index = PrefixIndex(provisional_ttl_s=5.0)
+def test_provisional_marks_expire_and_real_events_replace_them(backend: Backend) -> None:
+    index = PrefixIndex(provisional_ttl_s=5.0, backend=backend)
     index.add_provisional(B, keys(8), now=100.0)
     assert index.longest_prefixes(keys(8), 104.9) == {B: PrefixMatch(8, 8)}
     assert index.longest_prefixes(keys(8), 105.0) == {}
@@ -89,8 +101,8 @@ def test_provisional_marks_expire_and_real_events_replace_them() -> None:
     assert index.blocks_of(B) == 3
 
 
-def test_remove_replica_forgets_everything_and_frees_its_bits() -> None:
-    index = PrefixIndex()
+def test_remove_replica_forgets_everything_and_frees_its_bits(backend: Backend) -> None:
+    index = PrefixIndex(backend=backend)
     for n in range(70):  # more sources than a machine word
         index.store_keys(ReplicaName(f"r{n}"), hashes(2), keys(2))
     index.add_provisional(A, keys(4), 0.0)
@@ -104,8 +116,8 @@ def test_remove_replica_forgets_everything_and_frees_its_bits() -> None:
     assert index.block_counts()[ReplicaName("r5")] == 2
 
 
-def test_memory_budget_evicts_least_recently_used_keys() -> None:
-    index = PrefixIndex(max_blocks=10)
+def test_memory_budget_evicts_least_recently_used_keys(backend: Backend) -> None:
+    index = PrefixIndex(max_blocks=10, backend=backend)
     index.store_keys(A, hashes(6), keys(6))
     index.store_keys(B, hashes(4, start=100), keys(4, start=100))
     index.longest_prefixes(keys(6), 0.0)  # touch A's prefix: B's keys are now the oldest

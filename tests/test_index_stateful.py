@@ -6,6 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvrouter.blocktable import pure_backend
 from kvrouter.index import PrefixIndex
 from kvrouter.routing import PrefixMatch
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
@@ -20,9 +21,12 @@ def engine_hash(key: BlockKey) -> EngineBlockHash:
 
 
 class IndexVersusReference(RuleBasedStateMachine):
+    def make_index(self) -> PrefixIndex:
+        return PrefixIndex(provisional_ttl_s=TTL)
+
     def __init__(self) -> None:
         super().__init__()
-        self.index = PrefixIndex(provisional_ttl_s=TTL)
+        self.index = self.make_index()
         self.now = 0.0
         # (replica, rank) -> tier -> keys
         self.held: dict[tuple[ReplicaName, int], dict[Tier, set[BlockKey]]] = {}
@@ -115,5 +119,24 @@ class IndexVersusReference(RuleBasedStateMachine):
         assert actual == {r: n for r, n in expected.items() if n}
 
 
-IndexVersusReference.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+class PureIndexVersusReference(IndexVersusReference):
+    """The same index on the pure-Python tables (what runs when the extension was not built)."""
+
+    def make_index(self) -> PrefixIndex:
+        return PrefixIndex(provisional_ttl_s=TTL, backend=pure_backend())
+
+
+class BudgetedIndexVersusReference(IndexVersusReference):
+    """A budget the test never reaches: the ordered tables (recency lists) must not change a single answer."""
+
+    def make_index(self) -> PrefixIndex:
+        return PrefixIndex(provisional_ttl_s=TTL, max_blocks=10_000)
+
+
+STATEFUL = settings(max_examples=150, stateful_step_count=40, deadline=None)
+IndexVersusReference.TestCase.settings = STATEFUL
 TestIndexVersusReference = IndexVersusReference.TestCase
+PureIndexVersusReference.TestCase.settings = settings(STATEFUL, max_examples=60)
+TestPureIndexVersusReference = PureIndexVersusReference.TestCase
+BudgetedIndexVersusReference.TestCase.settings = settings(STATEFUL, max_examples=60)
+TestBudgetedIndexVersusReference = BudgetedIndexVersusReference.TestCase

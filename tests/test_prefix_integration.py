@@ -121,6 +121,9 @@ async def test_events_from_a_pub_socket_show_up_as_cached_tokens_on_the_right_re
     assert f'kvrouter_index_blocks{{replica="{replicas[1].name}"}} 10.0' in metrics
     assert f'kvrouter_kv_events_total{{replica="{replicas[1].name}",status="ok",type="BlockStored"}}' in metrics
     assert "kvrouter_routing_load_only 0.0" in metrics
+    samples = dict(line.split(" ", 1) for line in metrics.splitlines() if not line.startswith("#"))
+    index_bytes = float(samples["kvrouter_index_bytes"])
+    assert 0 < index_bytes < 1_000_000  # the tables of ten blocks: a few small slot arrays
 
     # The engine evicts block 6: the prefix ends there.
     await pub.send_multipart([b"kv-events", encode_seq(seq), removed([hashes[6]])])

@@ -5,7 +5,8 @@ Shared by the router's embedded ingest and the relay: `events` counts every even
 `index_blocks` is the blocks tracked per replica — set by the relay from its book, or, once `read_index_blocks`
 names a reader (the router's prefix index, `PrefixIndex.held_counts`), read at scrape time, so it reports what the
 index holds then rather than a count kept per batch; `ingest_lag` is how old the engine's last batch was when it
-was applied (engine clock vs. ours, so it includes clock skew); `load_only` is 1 when no tokenizer is configured
+was applied (engine clock vs. ours, so it includes clock skew); `index_bytes` is the router index's table memory,
+read at scrape time; `load_only` is 1 when no tokenizer is configured
 and every request is routed on load alone.
 """
 
@@ -36,6 +37,12 @@ class EventMetrics:
             "kvrouter_kv_event_lag_seconds",
             "Age of the replica's last applied event batch (router clock minus engine timestamp).",
             ["replica"],
+            registry=registry,
+        )
+        self.index_bytes = Gauge(
+            "kvrouter_index_bytes",
+            "Bytes the router's prefix index holds in its block tables (tier tables and engine-hash maps; the pure-"
+            "Python fallback's figure is an estimate). Router only.",
             registry=registry,
         )
         self.load_only = Gauge(

@@ -1,0 +1,113 @@
+"""Storage behind the prefix index: the compiled block tables, or their pure-Python twin.
+
+`kvrouter/_blocktable.c` holds the index's tables as open-addressing arrays of 64-bit keys and mask words (about
+a third of the memory of dicts of Python ints, and the lookup loop in C). `kvrouter/blocktable_pure.py` does the
+same with dicts: the reference the compiled tables are tested against, and the fallback when the extension was
+not built (an install without a C compiler). `load_backend()` picks the compiled one when it imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+
+class BlockTable(Protocol):
+    """uint64 key -> `words` uint64 words: a tier's block -> source-bit mask, or a source's engine hash -> key."""
+
+    @property
+    def words(self) -> int: ...
+    @property
+    def ordered(self) -> bool: ...
+    @property
+    def nbytes(self) -> int: ...
+    def __len__(self) -> int: ...
+    def widen(self, words: int, /) -> None: ...
+    def get(self, key: int, /) -> int | None: ...
+    def contains(self, key: int, /) -> bool: ...
+    def pop(self, key: int, /) -> int | None: ...
+    def set_many(self, keys: Sequence[int], values: Sequence[int], /) -> None: ...
+    def or_bit(self, keys: Sequence[int], bit: int, /) -> None: ...
+    def clear_bit(self, keys: Iterable[int], bit: int, /) -> int: ...
+    def clear_bit_all(self, bit: int, /) -> int: ...
+    def has_bit(self, key: int, bit: int, /) -> bool: ...
+    def touch(self, keys: Sequence[int], /) -> None: ...
+    def evict_oldest(self, count: int, /) -> int: ...
+    def items(self) -> list[tuple[int, int]]: ...
+    def clear(self) -> None: ...
+    def retain_held(self, tables: tuple[BlockTable, ...], bit: int, /) -> int: ...
+
+
+class TableFactory(Protocol):
+    def __call__(self, words: int = 1, ordered: bool = False) -> BlockTable: ...
+
+
+class PrefixLengths(Protocol):
+    def __call__(
+        self, keys: Sequence[int], gpu: BlockTable, lower: tuple[BlockTable, ...], /
+    ) -> tuple[dict[int, int], dict[int, int]]: ...
+
+
+class HeldCounts(Protocol):
+    def __call__(
+        self, tables: tuple[BlockTable, ...], excluded_bits: Sequence[int], /
+    ) -> tuple[dict[int, int], int]: ...
+
+
+class RemoveBlocks(Protocol):
+    def __call__(
+        self,
+        engine_map: BlockTable,
+        hashes: Iterable[int],
+        tier: BlockTable,
+        tables: tuple[BlockTable, ...],
+        bit: int,
+        /,
+    ) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """One implementation of the tables and the whole-index operations over them.
+
+    * `prefix_lengths(keys, gpu, lower)`: per source bit, the leading keys it holds in any tier and in `gpu`;
+    * `held_counts(tables, excluded_bits)`: per bit, distinct keys holding it in any table; and distinct keys
+      holding some bit outside `excluded_bits`;
+    * `remove_blocks(engine_map, hashes, tier, tables, bit)`: a source's BlockRemoved; returns unknown hashes.
+    """
+
+    name: str
+    table: TableFactory
+    prefix_lengths: PrefixLengths
+    held_counts: HeldCounts
+    remove_blocks: RemoveBlocks
+
+
+def pure_backend() -> Backend:
+    from kvrouter import blocktable_pure as pure
+
+    return Backend("pure", pure.PureBlockTable, pure.prefix_lengths, pure.held_counts, pure.remove_blocks)
+
+
+def native_backend() -> Backend:
+    """The compiled tables; ImportError when the extension was not built."""
+    from kvrouter import _blocktable as native
+
+    return Backend(
+        "native",
+        cast(TableFactory, native.BlockTable),
+        cast(PrefixLengths, native.prefix_lengths),
+        cast(HeldCounts, native.held_counts),
+        cast(RemoveBlocks, native.remove_blocks),
+    )
+
+
+def load_backend() -> Backend:
+    try:
+        return native_backend()
+    except ImportError:
+        return pure_backend()
+
+
+__all__ = ["Backend", "BlockTable", "load_backend", "native_backend", "pure_backend"]
