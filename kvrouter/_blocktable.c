@@ -64,6 +64,14 @@ static inline size_t home_of(size_t cap, uint64_t key) {
 
 static inline uint64_t *slot_at(const Table *t, size_t i) { return t->slots + i * t->stride; }
 
+/* Bulk operations look AHEAD keys forward and prefetch their home slots: a table bigger than the caches then
+ * costs overlapped memory misses rather than one round trip per key. */
+#define AHEAD 8
+
+static inline void prefetch_home(const Table *t, uint64_t key) {
+    __builtin_prefetch(t->slots + (key ? home_of(t->cap, key) : t->cap) * t->stride);
+}
+
 static size_t find(const Table *t, uint64_t key) {
     if (key == 0)
         return t->zero_used ? t->cap : NONE;
@@ -205,13 +213,24 @@ static int rehash(Table *t, size_t new_cap, int new_words, keep_fn keep, void *c
             memcpy(slot_at(t, place(t, key)) + 1, src + 1, copy);
         }
     } else {
-        for (size_t i = 0; i <= old.cap; i++) {
-            const uint64_t *src = old.slots + i * old.stride;
-            if (i == old.cap ? !old.zero_used : src[0] == 0)
-                continue;
-            if (keep != NULL && !keep(&old, src, ctx))
-                continue;
-            memcpy(slot_at(t, place(t, i == old.cap ? 0 : src[0])) + 1, src + 1, copy);
+        /* In batches: find a batch's entries, prefetch their new homes, then place them. */
+        size_t batch[2 * AHEAD];
+        size_t i = 0;
+        while (i <= old.cap) {
+            size_t count = 0;
+            for (; i <= old.cap && count < 2 * AHEAD; i++) {
+                const uint64_t *src = old.slots + i * old.stride;
+                if (i == old.cap ? !old.zero_used : src[0] == 0)
+                    continue;
+                if (keep != NULL && !keep(&old, src, ctx))
+                    continue;
+                batch[count++] = i;
+                prefetch_home(t, i == old.cap ? 0 : src[0]);
+            }
+            for (size_t b = 0; b < count; b++) {
+                const uint64_t *src = old.slots + batch[b] * old.stride;
+                memcpy(slot_at(t, place(t, batch[b] == old.cap ? 0 : src[0])) + 1, src + 1, copy);
+            }
         }
     }
     PyMem_Free(old.slots);
@@ -497,6 +516,8 @@ static PyObject *Table_set_many(Table *t, PyObject *args) {
     } else {
         result = Py_None;
         for (Py_ssize_t n = 0; n < keys.n; n++) {
+            if (n + AHEAD < keys.n)
+                prefetch_home(t, keys.values[n + AHEAD]);
             int created;
             size_t i = find_or_place(t, keys.values[n], &created);
             if (i == NONE) {
@@ -530,6 +551,8 @@ static PyObject *Table_or_bit(Table *t, PyObject *args) {
     int failed = 0;
     for (Py_ssize_t m = 0; m < keys.n; m++) {
         Py_ssize_t n = t->ordered ? keys.n - 1 - m : m;
+        if (m + AHEAD < keys.n)
+            prefetch_home(t, keys.values[t->ordered ? keys.n - 1 - m - AHEAD : m + AHEAD]);
         int created;
         size_t i = find_or_place(t, keys.values[n], &created);
         if (i == NONE) {
@@ -799,12 +822,10 @@ static int record_drops(PyObject *lengths, const uint64_t *before, const uint64_
     return 0;
 }
 
-#define AHEAD 8
-
 static inline int prefetch_key(const Table *t, PyObject *item, uint64_t *key) {
     if (as_u64(item, key) < 0)
         return -1;
-    __builtin_prefetch(t->slots + home_of(t->cap, *key) * t->stride);
+    prefetch_home(t, *key);
     return 0;
 }
 
@@ -1040,6 +1061,8 @@ static PyObject *remove_blocks(PyObject *module, PyObject *args) {
     Py_ssize_t unknown = 0;
     HeldBy held = {tables, word, mask};
     for (Py_ssize_t n = 0; n < hashes.n; n++) {
+        if (n + AHEAD < hashes.n)
+            prefetch_home(map, hashes.values[n + AHEAD]);
         size_t m = find(map, hashes.values[n]);
         if (m == NONE) {
             unknown++;
