@@ -1081,7 +1081,47 @@ static PyObject *remove_blocks(PyObject *module, PyObject *args) {
     return PyLong_FromSsize_t(unknown);
 }
 
+static PyObject *clear_source(PyObject *module, PyObject *args) {
+    /* A source's blocks gone (engine restart, replica removed): clear `bit` on the keys its engine map names, in
+     * every table; the cost is the source's own blocks, not the index's. Returns how many (table, key) had it. */
+    PyObject *map_obj, *tables;
+    Py_ssize_t bit;
+    if (!PyArg_ParseTuple(args, "O!O!n:clear_source", &TableType, &map_obj, &PyTuple_Type, &tables, &bit))
+        return NULL;
+    const Table *map = (const Table *)map_obj;
+    if (PyTuple_GET_SIZE(tables) == 0 || map->words != 1) {
+        PyErr_SetString(PyExc_ValueError, "clear_source needs a one-word map and at least one table");
+        return NULL;
+    }
+    Table *first = (Table *)PyTuple_GET_ITEM(tables, 0);
+    if (check_tables(tables, first->words, "tables") < 0)
+        return NULL;
+    size_t word;
+    uint64_t mask;
+    if (bit_arg(first, bit, &word, &mask) < 0)
+        return NULL;
+    Py_ssize_t cleared = 0;
+    for (Py_ssize_t n = 0; n < PyTuple_GET_SIZE(tables); n++) {
+        Table *t = (Table *)PyTuple_GET_ITEM(tables, n);
+        if (t->used == 0)
+            continue;
+        for (size_t m = 0; m <= map->cap; m++) {
+            const uint64_t *entry = slot_at(map, m);
+            if (m == map->cap ? !map->zero_used : entry[0] == 0)
+                continue;
+            size_t i = find(t, entry[1]);
+            if (i != NONE)
+                cleared += clear_bit_at(t, i, word, mask);
+        }
+        if (maybe_shrink(t) < 0)
+            return NULL;
+    }
+    return PyLong_FromSsize_t(cleared);
+}
+
 static PyMethodDef module_methods[] = {
+    {"clear_source", clear_source, METH_VARARGS,
+     "clear_source(engine_map, tables, bit) -> (table, key) entries that had the bit"},
     {"prefix_lengths", prefix_lengths, METH_VARARGS,
      "prefix_lengths(keys, gpu, lower) -> ({bit: blocks in any tier}, {bit: blocks in gpu})"},
     {"held_counts", held_counts, METH_VARARGS,

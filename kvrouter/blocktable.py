@@ -67,6 +67,10 @@ class RemoveBlocks(Protocol):
     ) -> int: ...
 
 
+class ClearSource(Protocol):
+    def __call__(self, engine_map: BlockTable, tables: tuple[BlockTable, ...], bit: int, /) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Backend:
     """One implementation of the tables and the whole-index operations over them.
@@ -74,7 +78,8 @@ class Backend:
     * `prefix_lengths(keys, gpu, lower)`: per source bit, the leading keys it holds in any tier and in `gpu`;
     * `held_counts(tables, excluded_bits)`: per bit, distinct keys holding it in any table; and distinct keys
       holding some bit outside `excluded_bits`;
-    * `remove_blocks(engine_map, hashes, tier, tables, bit)`: a source's BlockRemoved; returns unknown hashes.
+    * `remove_blocks(engine_map, hashes, tier, tables, bit)`: a source's BlockRemoved; returns unknown hashes;
+    * `clear_source(engine_map, tables, bit)`: a source's blocks gone; clears `bit` on the keys its map names.
     """
 
     name: str
@@ -82,12 +87,15 @@ class Backend:
     prefix_lengths: PrefixLengths
     held_counts: HeldCounts
     remove_blocks: RemoveBlocks
+    clear_source: ClearSource
 
 
 def pure_backend() -> Backend:
     from kvrouter import blocktable_pure as pure
 
-    return Backend("pure", pure.PureBlockTable, pure.prefix_lengths, pure.held_counts, pure.remove_blocks)
+    return Backend(
+        "pure", pure.PureBlockTable, pure.prefix_lengths, pure.held_counts, pure.remove_blocks, pure.clear_source
+    )
 
 
 def native_backend() -> Backend:
@@ -100,6 +108,7 @@ def native_backend() -> Backend:
         cast(PrefixLengths, native.prefix_lengths),
         cast(HeldCounts, native.held_counts),
         cast(RemoveBlocks, native.remove_blocks),
+        cast(ClearSource, native.clear_source),
     )
 
 

@@ -201,4 +201,11 @@ def remove_blocks(
     return unknown
 
 
-__all__ = ["PureBlockTable", "held_counts", "prefix_lengths", "remove_blocks"]
+def clear_source(engine_map: BlockTable, tables: tuple[BlockTable, ...], bit: int, /) -> int:
+    if not tables or engine_map.words != 1:
+        raise ValueError("clear_source needs a one-word map and at least one table")
+    keys = [key for _, key in engine_map.items()]
+    return sum(table.clear_bit(keys, bit) for table in tables)
+
+
+__all__ = ["PureBlockTable", "clear_source", "held_counts", "prefix_lengths", "remove_blocks"]

@@ -153,10 +153,11 @@ class PrefixIndex:
         self.clear(replica)
 
     def _clear_source(self, source: _Source) -> None:
-        tables = (self._gpu,) if source.rank == _PROVISIONAL_RANK else self._tiers
-        for table in tables:
-            if len(table):
-                table.clear_bit_all(source.bit)
+        # The cost is the source's own blocks (its engine map, or its live marks), not the whole index.
+        if source.rank == _PROVISIONAL_RANK:
+            self._gpu.clear_bit(list(source.provisional_until), source.bit)
+        else:
+            self.backend.clear_source(source.blocks, self._tiers, source.bit)
         self._drop_source(source)
 
     # ---- provisional entries ------------------------------------------------------------------------------

@@ -95,6 +95,13 @@ class NativeVersusPure(RuleBasedStateMachine):
         }
         assert len(unknown) == 1
 
+    @rule(which=st.integers(0, 1), bit=st.sampled_from([0, 1, 2, 64]))
+    def clear_source(self, which: int, bit: int) -> None:
+        if bit >= self.words * 64:
+            return
+        cleared = {backend.clear_source(maps[which], tiers, bit) for backend, tiers, maps in self.sides}
+        assert len(cleared) == 1
+
     @rule(which=st.integers(0, 1), bit=st.sampled_from([0, 1, 2]))
     def retain_held(self, which: int, bit: int) -> None:
         dropped = {maps[which].retain_held(tiers, bit) for _, tiers, maps in self.sides}
