@@ -7,6 +7,9 @@ time; the router logs which one it runs). Dict order is the recency order of an 
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 import sys
 from collections.abc import Iterable, Sequence
 
@@ -14,6 +17,8 @@ from kvrouter.blocktable import BlockTable
 
 _MAX_WORDS = 64
 _INT_BYTES = sys.getsizeof(2**63)
+_FIRST_CHUNK = 64
+_ZEROS = itertools.repeat(0)
 
 
 class PureBlockTable:
@@ -136,27 +141,49 @@ class PureBlockTable:
 def prefix_lengths(
     keys: Sequence[int], gpu: BlockTable, lower: tuple[BlockTable, ...], /
 ) -> tuple[dict[int, int], dict[int, int]]:
-    any_lengths: dict[int, int] = {}
-    gpu_lengths: dict[int, int] = {}
-    alive_any = alive_gpu = 0
-    for position, key in enumerate(keys):
-        on_gpu = gpu.get(key) or 0
-        anywhere = on_gpu
-        for table in lower:
-            anywhere |= table.get(key) or 0
-        if position == 0:
-            alive_any, alive_gpu = anywhere, on_gpu
-        else:
-            _record(any_lengths, alive_any & ~anywhere, position)
-            _record(gpu_lengths, alive_gpu & ~on_gpu, position)
-            alive_any &= anywhere
-            alive_gpu &= on_gpu
-        if not alive_any:
-            break
-    else:
-        _record(any_lengths, alive_any, len(keys))
-        _record(gpu_lengths, alive_gpu, len(keys))
-    return any_lengths, gpu_lengths
+    gpu_entries = _entries(gpu)
+    any_lengths = _leading(keys, [gpu_entries, *map(_entries, lower)])
+    return any_lengths, (_leading(keys, [gpu_entries]) if lower else dict(any_lengths))
+
+
+def _entries(table: BlockTable) -> dict[int, int]:
+    if not isinstance(table, PureBlockTable):
+        raise TypeError("the pure backend's functions take PureBlockTable")
+    return table._entries
+
+
+def _leading(keys: Sequence[int], tables: list[dict[int, int]]) -> dict[int, int]:
+    """Bit -> leading `keys` whose mask (OR over `tables`) has it. The keys are probed with C-level
+    `map(dict.get)` in growing chunks (64, then 8x more), stopping at the first chunk where no bit is left;
+    within a chunk the masks are AND-accumulated and, as the running AND only loses bits (so as a number it
+    never grows), each drop point is found by bisection: Python-level work per drop point, not per block."""
+    lengths: dict[int, int] = {}
+    alive = -1
+    start, size, total = 0, _FIRST_CHUNK, len(keys)
+    while start < total:
+        chunk = keys[start : start + size]
+        masks = list(map(tables[0].get, chunk, _ZEROS))
+        for table in tables[1:]:
+            if not table.keys().isdisjoint(chunk):
+                masks = list(map(operator.or_, masks, map(table.get, chunk, _ZEROS)))
+        if alive < 0:
+            alive = masks[0]
+        if masks.count(alive) != len(masks):  # else every live bit holds the whole chunk
+            running = list(itertools.accumulate(masks, operator.and_, initial=alive))[1:]
+            position = 0
+            while alive:
+                drop = bisect.bisect_right(running, -alive, lo=position, key=operator.neg)
+                if drop == len(running):
+                    break
+                _record(lengths, alive & ~running[drop], start + drop)
+                alive = running[drop]
+                position = drop
+        if not alive:
+            return lengths
+        start += size
+        size *= 8
+    _record(lengths, alive, total)
+    return lengths
 
 
 def _record(lengths: dict[int, int], bits: int, length: int) -> None:
