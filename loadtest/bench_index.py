@@ -295,7 +295,7 @@ def bench_memory(sizes: list[int], backend: Backend) -> None:
         one, budgeted, four, many = row
         print(f"{blocks:>9} {one:>10.0f} {budgeted:>8.0f} {four:>10.0f} {four / 4:>10.0f} {many:>8.0f}")
     print("  (per distinct block; 'per entry' = 4 sharing / 4, per (replica, block); '64 own': 64 replicas, each")
-    print("   holding its own share of the blocks, so 128 source bits with their provisional slots)")
+    print("   holding its own share of the blocks: 64 source bits, one mask word)")
 
 
 def main() -> None:
