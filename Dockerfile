@@ -26,9 +26,10 @@ RUN mkdir -p kvrouter && touch kvrouter/__init__.py \
     && pip install --upgrade pip wheel \
     && pip install . \
     && pip uninstall -y kvrouter
+COPY setup.py ./
 COPY kvrouter ./kvrouter
 RUN pip install --no-deps . \
-    && (cd / && python -c "from kvrouter.blocktable import native_backend; native_backend()") \
+    && (cd / && python -c "import kvrouter._blockkeys; from kvrouter.blocktable import native_backend; native_backend()") \
     && KVROUTER_CACHE_DIR=/opt/kvrouter python -c "from kvrouter.tinymodel import ensure_tokenizer; ensure_tokenizer()"
 
 FROM ${PYTHON_IMAGE} AS runtime

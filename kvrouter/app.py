@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from kvrouter.blocks import native_block_keys
 from kvrouter.config import ConfigError, FleetConfig, Settings
 from kvrouter.events.embedded import EmbeddedEvents
 from kvrouter.feedback import FeedbackLookup
@@ -76,6 +77,8 @@ def build_prefix_parts(
             "the prefix index runs on its pure-Python tables (kvrouter._blocktable was not built: install with a C "
             "compiler present): ~3x the memory per block and slower lookups"
         )
+    if not native_block_keys():
+        log.warning("block keys are hashed from Python (kvrouter._blockkeys was not built): ~5x slower, same keys")
     metrics.events.index_bytes.set_function(index.table_bytes)
     parts = PrefixParts(index=index)
     if fleet.tokenizer is None:

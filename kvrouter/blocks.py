@@ -5,6 +5,10 @@ equal keys mean equal prefixes. Only full blocks are keyed: vLLM caches full blo
 mixes in what vLLM isolates a cache by — the LoRA adapter and the request's `cache_salt` — so the same tokens
 under a different adapter or salt give a different chain. Requests and KV events go through the same function,
 which is why kvrouter never depends on the engine's hash seed or algorithm.
+
+The keys are computed in C (`kvrouter/_blockkeys.c`, XXH3-64 implemented from the xxHash specification) when the
+extension was built, else block by block through the xxhash package (`python_chain_keys`); the two give the same
+keys bit for bit (tests/test_blockkeys.py), so routers and relays agree whichever path each one runs.
 """
 
 from __future__ import annotations
@@ -16,6 +20,17 @@ from typing import cast
 import xxhash
 
 from kvrouter.typedefs import BlockKey
+
+try:  # the same keys, computed in C (kvrouter/_blockkeys.c); absent when the extension was not built
+    from kvrouter._blockkeys import chain_keys as _native_chain_keys
+except ImportError:
+    _native_chain_keys = None  # type: ignore[assignment]
+_SEED_LIMIT = 1 << 64
+
+
+def native_block_keys() -> bool:
+    """Whether `chain_keys` runs in C."""
+    return _native_chain_keys is not None
 
 
 def root_material(lora: str | None = None, cache_salt: str | None = None) -> bytes:
@@ -41,16 +56,22 @@ def chain_keys(
     full = len(token_ids) // block_size
     if full == 0:
         return []
+    previous = root_material(lora, cache_salt) if parent is None else parent.to_bytes(8, "little")
+    if _native_chain_keys is not None and 0 <= seed < _SEED_LIMIT:
+        return cast("list[BlockKey]", _native_chain_keys(token_ids, block_size, seed, previous))
+    return python_chain_keys(token_ids, block_size, seed, previous)
+
+
+def python_chain_keys(token_ids: Sequence[int], block_size: int, seed: int, previous: bytes) -> list[BlockKey]:
+    """`chain_keys` through the xxhash package, one call per block: the reference the C path is tested against,
+    and the path when the extension was not built. `previous` is what the first block chains from."""
+    full = len(token_ids) // block_size
     size = full * block_size
     # Event batches carry exactly the full blocks' tokens: skip the copy a slice would make.
     data = array("I", token_ids if len(token_ids) == size else token_ids[:size]).tobytes()
     step = block_size * 4
     keys: list[int] = []
     append = keys.append
-    if parent is None:
-        previous = root_material(lora, cache_salt)
-    else:
-        previous = parent.to_bytes(8, "little")
     hasher = xxhash.xxh3_64_intdigest
     for start in range(0, size * 4, step):
         key = hasher(previous + data[start : start + step], seed)

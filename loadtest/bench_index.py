@@ -6,7 +6,7 @@ Prints medians, each next to a naive baseline measured in the same run (so a bus
 keys, ingest and lookup are timed in CPU time of the benchmark thread (per-core figures, robust to other load):
 * chat tokenization of a 1k / 8k / 32k-token conversation: cold (nothing cached), next turn (the previous
   turn's render cached: only the new tail is tokenized) and an exact repeat;
-* block keys per 1k tokens (block size 16) vs. a bare xxh3 over the same bytes;
+* block keys per 1k tokens (block size 16), the C path and the Python path, vs. a bare xxh3 loop over the same bytes;
 * ingest in blocks/s from vLLM-format msgpack batches (decode + keys + index) and index-only, vs. a dict insert;
 * lookup of a 512-block prompt over 4 and 64 replicas (p50, p99) vs. a per-key loop over a dict of sets, and
   over 4 replicas that also carry provisional marks of recently routed requests ("4 + marks");
@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from kvrouter.blocks import chain_keys
+from kvrouter.blocks import chain_keys, native_block_keys, python_chain_keys
 from kvrouter.blocktable import Backend, native_backend, pure_backend
 from kvrouter.events.ingest import IndexIngest
 from kvrouter.events.wire import WireDecoder
@@ -128,8 +128,13 @@ def bench_keys(repeat: int) -> None:
             xxhash.xxh3_64_intdigest(data[at : at + step])
 
     keys = median_us(timed(lambda: chain_keys(tokens, BLOCK), repeat))
+    python = median_us(timed(lambda: python_chain_keys(tokens, BLOCK, 0, b""), repeat))
     base = median_us(timed(bare, repeat))
-    print(f"\n## block keys: {keys:.1f} us per 1k tokens (block size {BLOCK}); bare xxh3 loop {base:.1f} us")
+    path = "C" if native_block_keys() else "Python (extension not built)"
+    print(
+        f"\n## block keys: {keys:.1f} us per 1k tokens (block size {BLOCK}, {path}); Python path {python:.1f} us; "
+        f"bare xxh3 loop {base:.1f} us"
+    )
 
 
 # ---- ingest -------------------------------------------------------------------------------------------------
