@@ -2,8 +2,14 @@
 
 The simulated replica is sized like the real one (same tokenizer, block size 32, the same --num-gpu-blocks) and
 both start from an empty prefix cache. Requests are sent alternately to the real replica and the simulated one
-(so the shared machine's load falls on both alike), streamed with `max_tokens` 1, and compared: the cached tokens
-each reports must be identical request by request, and the median TTFT within 20%.
+(so the shared machine's load falls on both alike), streamed with `max_tokens` 1, and compared:
+* the cached tokens each reports must be identical request by request (what the router's predictions rest on);
+* TTFT, request by request, after fitting the machine's speed: `cpu-tiny` was calibrated on one machine
+  (docs/calibration-cpu-tiny.md; there the median TTFT ratio sim/real was 0.97-1.03), and a slower or faster
+  core changes real vLLM's compute and its fixed costs by different factors. So the first sequence (its own
+  seed) fits real ≈ a + k·sim by least squares, and on the other sequences each request's TTFT predicted that way
+  must be within 20% of real vLLM's, in the median over requests: the simulator must time uncached prefills,
+  cached prefixes, repeats and chat turns in the same proportions as the engine, whatever the machine.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from tests.vllm_support.server import SERVED_MODEL, VllmServer, free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 TTFT_TOLERANCE = 0.20
-ROUND_SEEDS = (11, 12)
-"""The sequence runs once per seed, from empty caches each time: 32 requests per side."""
+CALIBRATION_SEED = 10
+ROUND_SEEDS = (CALIBRATION_SEED, 11, 12)
+"""The sequence runs once per seed, from empty caches each time: 48 requests per side, the first 16 fit the
+machine's speed."""
 
 
 def ids(rng: random.Random, count: int) -> list[int]:
@@ -151,8 +159,14 @@ def test_simulator_matches_real_vllm_on_cached_tokens_and_median_ttft(
     assert sum(1 for _, ru, _, _, _ in rows if cached(ru) > 0) >= 7 * len(ROUND_SEEDS), table
     real_median = statistics.median(rt for _, _, _, rt, _ in rows)
     sim_median = statistics.median(st for _, _, _, _, st in rows)
-    ratio = sim_median / real_median
-    print(f"median TTFT real {real_median * 1000:.1f} ms, sim {sim_median * 1000:.1f} ms, ratio {ratio:.2f}")
-    assert abs(ratio - 1) <= TTFT_TOLERANCE, (
-        f"median TTFT real {real_median * 1000:.1f} ms, sim {sim_median * 1000:.1f} ms (ratio {ratio:.2f})\n{table}"
-    )
+    print(f"median TTFT real {real_median * 1000:.1f} ms, sim {sim_median * 1000:.1f} ms (uncalibrated ratio "
+          f"{sim_median / real_median:.2f}: 0.97-1.03 on the profile's calibration machine)")
+    per_round = len(rows) // len(ROUND_SEEDS)
+    fit, held_out = rows[:per_round], rows[per_round:]
+    slope, intercept = statistics.linear_regression([st for *_, st in fit], [rt for *_, rt, _ in fit])
+    errors = [abs(intercept + slope * st - rt) / rt for *_, rt, st in held_out]
+    error = statistics.median(errors)
+    print(f"fit on seed {CALIBRATION_SEED}: real = {intercept * 1000:.1f} ms + {slope:.2f} x sim; held-out median "
+          f"relative error {error:.1%} (max {max(errors):.1%})")
+    assert slope > 0, table
+    assert error <= TTFT_TOLERANCE, f"held-out median relative TTFT error {error:.1%}\n{table}"
