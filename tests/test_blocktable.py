@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import tracemalloc
 
 import pytest
@@ -10,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvrouter.blocks import chain_keys
 from kvrouter.blocktable import Backend, BlockTable, load_backend, native_backend, pure_backend
 
 NATIVE = native_backend()
@@ -227,3 +230,26 @@ def test_deleting_from_a_crowded_table_keeps_every_other_key_reachable() -> None
         assert len(table) == len(alive)
         assert all(table.contains(key) for key in alive)
     assert [key for key, _ in table.items()] == list(alive)  # oldest first, through every move
+
+
+def test_without_the_compiled_extensions_the_router_still_routes() -> None:
+    # An install without a C compiler: both extensions missing. The index and the block keys fall back to their
+    # pure-Python twins, give the same answers, and the app logs why.
+    script = """
+import importlib.abc, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name in ("kvrouter._blocktable", "kvrouter._blockkeys"):
+            raise ImportError(name)
+sys.meta_path.insert(0, Missing())
+from kvrouter.blocks import chain_keys, native_block_keys
+from kvrouter.blocktable import load_backend
+from kvrouter.index import PrefixIndex
+keys = chain_keys(list(range(64)), 16)
+index = PrefixIndex()
+index.store_keys("a", [1, 2, 3, 4], keys)
+print(native_block_keys(), load_backend().name, index.backend.name, index.longest_prefixes(keys, 0.0)["a"].blocks,
+      keys[0])
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "pure", "pure", "4", str(chain_keys(list(range(64)), 16)[0])]
