@@ -234,7 +234,7 @@ def test_deleting_from_a_crowded_table_keeps_every_other_key_reachable() -> None
 
 def test_without_the_compiled_extensions_the_router_still_routes() -> None:
     # An install without a C compiler: both extensions missing. The index and the block keys fall back to their
-    # pure-Python twins, give the same answers, and the app logs why.
+    # pure-Python twins and give the same answers (the app logs a warning for each at start).
     script = """
 import importlib.abc, sys
 class Missing(importlib.abc.MetaPathFinder):
