@@ -4,12 +4,13 @@ The simulated replica is sized like the real one (same tokenizer, block size 32,
 both start from an empty prefix cache. Requests are sent alternately to the real replica and the simulated one
 (so the shared machine's load falls on both alike), streamed with `max_tokens` 1, and compared:
 * the cached tokens each reports must be identical request by request (what the router's predictions rest on);
-* TTFT, request by request, after fitting the machine's speed: `cpu-tiny` was calibrated on one machine
-  (docs/calibration-cpu-tiny.md; there the median TTFT ratio sim/real was 0.97-1.03), and a slower or faster
-  core changes real vLLM's compute and its fixed costs by different factors. So the first sequence (its own
-  seed) fits real ≈ a + k·sim by least squares, and on the other sequences each request's TTFT predicted that way
-  must be within 20% of real vLLM's, in the median over requests: the simulator must time uncached prefills,
-  cached prefixes, repeats and chat turns in the same proportions as the engine, whatever the machine.
+* TTFT, request by request, in rank: `cpu-tiny` was calibrated on one machine (docs/calibration-cpu-tiny.md;
+  there the median TTFT ratio sim/real was 0.97-1.03), and a slower or faster core changes real vLLM's compute
+  and its fixed costs by different factors, while a shared machine's load drifts between rounds. What must hold
+  on any machine is the order: within each round the Spearman rank correlation of real and simulated TTFT over
+  the 16 requests must be at least 0.85 (uncached prefills by length, cached prefixes, repeats and chat turns
+  ranked alike; a simulator that ignored caching would rank the cached requests among the slow ones). The
+  absolute ratio and an affine fit real ≈ a + k·sim are printed for the record.
 """
 
 from __future__ import annotations
@@ -32,11 +33,22 @@ from tests.vllm_support.server import SERVED_MODEL, VllmServer, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-TTFT_TOLERANCE = 0.20
-CALIBRATION_SEED = 10
-ROUND_SEEDS = (CALIBRATION_SEED, 11, 12)
-"""The sequence runs once per seed, from empty caches each time: 48 requests per side, the first 16 fit the
-machine's speed."""
+MIN_RANK_CORRELATION = 0.85
+ROUND_SEEDS = (10, 11, 12)
+"""The sequence runs once per seed, from empty caches each time: 48 requests per side."""
+
+
+def rank_correlation(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rho (TTFTs are continuous: no ties to average)."""
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        result = [0.0] * len(values)
+        for rank, index in enumerate(order):
+            result[index] = float(rank)
+        return result
+
+    return statistics.correlation(ranks(xs), ranks(ys))
 
 
 def ids(rng: random.Random, count: int) -> list[int]:
@@ -162,11 +174,9 @@ def test_simulator_matches_real_vllm_on_cached_tokens_and_median_ttft(
     print(f"median TTFT real {real_median * 1000:.1f} ms, sim {sim_median * 1000:.1f} ms (uncalibrated ratio "
           f"{sim_median / real_median:.2f}: 0.97-1.03 on the profile's calibration machine)")
     per_round = len(rows) // len(ROUND_SEEDS)
-    fit, held_out = rows[:per_round], rows[per_round:]
-    slope, intercept = statistics.linear_regression([st for *_, st in fit], [rt for *_, rt, _ in fit])
-    errors = [abs(intercept + slope * st - rt) / rt for *_, rt, st in held_out]
-    error = statistics.median(errors)
-    print(f"fit on seed {CALIBRATION_SEED}: real = {intercept * 1000:.1f} ms + {slope:.2f} x sim; held-out median "
-          f"relative error {error:.1%} (max {max(errors):.1%})")
-    assert slope > 0, table
-    assert error <= TTFT_TOLERANCE, f"held-out median relative TTFT error {error:.1%}\n{table}"
+    rounds = [rows[at : at + per_round] for at in range(0, len(rows), per_round)]
+    correlations = [rank_correlation([rt for *_, rt, _ in one], [st for *_, st in one]) for one in rounds]
+    slope, intercept = statistics.linear_regression([st for *_, st in rows], [rt for *_, rt, _ in rows])
+    print(f"rank correlation per round {', '.join(f'{rho:.3f}' for rho in correlations)}; "
+          f"affine fit real = {intercept * 1000:.1f} ms + {slope:.2f} x sim")
+    assert min(correlations) >= MIN_RANK_CORRELATION, f"rank correlations {correlations}\n{table}"
