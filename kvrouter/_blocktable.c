@@ -475,13 +475,6 @@ static PyObject *Table_get(Table *t, PyObject *arg) {
     return value_to_int(t, slot_at(t, i));
 }
 
-static PyObject *Table_contains_method(Table *t, PyObject *arg) {
-    uint64_t key;
-    if (as_u64(arg, &key) < 0)
-        return NULL;
-    return PyBool_FromLong(find(t, key) != NONE);
-}
-
 static PyObject *Table_pop(Table *t, PyObject *arg) {
     uint64_t key;
     if (as_u64(arg, &key) < 0)
@@ -535,17 +528,20 @@ static PyObject *Table_set_many(Table *t, PyObject *args) {
     return result;
 }
 
-static PyObject *Table_or_bit(Table *t, PyObject *args) {
+/* The (keys, bit) arguments of a bulk bit operation: keys read into `keys`, bit resolved to its word and mask. */
+static int keys_and_bit(Table *t, PyObject *args, const char *format, U64s *keys, size_t *word, uint64_t *mask) {
     PyObject *keys_obj;
     Py_ssize_t bit;
-    if (!PyArg_ParseTuple(args, "On:or_bit", &keys_obj, &bit))
-        return NULL;
+    if (!PyArg_ParseTuple(args, format, &keys_obj, &bit) || bit_arg(t, bit, word, mask) < 0)
+        return -1;
+    return u64s_read(keys_obj, keys);
+}
+
+static PyObject *Table_or_bit(Table *t, PyObject *args) {
+    U64s keys;
     size_t word;
     uint64_t mask;
-    if (bit_arg(t, bit, &word, &mask) < 0)
-        return NULL;
-    U64s keys;
-    if (u64s_read(keys_obj, &keys) < 0)
+    if (keys_and_bit(t, args, "On:or_bit", &keys, &word, &mask) < 0)
         return NULL;
     /* Ordered: deepest block first, each made newest, so a chain's head ends up newest and is evicted last. */
     int failed = 0;
@@ -580,16 +576,10 @@ static int clear_bit_at(Table *t, size_t i, size_t word, uint64_t mask) {
 }
 
 static PyObject *Table_clear_bit(Table *t, PyObject *args) {
-    PyObject *keys_obj;
-    Py_ssize_t bit;
-    if (!PyArg_ParseTuple(args, "On:clear_bit", &keys_obj, &bit))
-        return NULL;
+    U64s keys;
     size_t word;
     uint64_t mask;
-    if (bit_arg(t, bit, &word, &mask) < 0)
-        return NULL;
-    U64s keys;
-    if (u64s_read(keys_obj, &keys) < 0)
+    if (keys_and_bit(t, args, "On:clear_bit", &keys, &word, &mask) < 0)
         return NULL;
     Py_ssize_t cleared = 0;
     for (Py_ssize_t n = 0; n < keys.n; n++) {
@@ -601,28 +591,6 @@ static PyObject *Table_clear_bit(Table *t, PyObject *args) {
     if (maybe_shrink(t) < 0)
         return NULL;
     return PyLong_FromSsize_t(cleared);
-}
-
-static PyObject *Table_clear_bit_all(Table *t, PyObject *arg) {
-    Py_ssize_t bit = PyLong_AsSsize_t(arg);
-    if (bit == -1 && PyErr_Occurred())
-        return NULL;
-    size_t word;
-    uint64_t mask;
-    if (bit_arg(t, bit, &word, &mask) < 0)
-        return NULL;
-    size_t held = 0;
-    for (size_t i = 0; i <= t->cap; i++) {
-        uint64_t *slot = slot_at(t, i);
-        if (slot[word] & mask) {
-            slot[word] &= ~mask;
-            held++;
-        }
-    }
-    /* One rebuild drops the emptied entries and sizes the table for what is left. */
-    if (held && rehash(t, cap_for(t->used), t->words, keep_nonzero, NULL) < 0)
-        return NULL;
-    return PyLong_FromSize_t(held);
 }
 
 static PyObject *Table_has_bit(Table *t, PyObject *args) {
@@ -700,22 +668,6 @@ static PyObject *Table_items(Table *t, PyObject *unused) {
     return result;
 }
 
-static PyObject *Table_clear(Table *t, PyObject *unused) {
-    uint64_t *slots;
-    Link *links;
-    if (allocate(MIN_CAP, t->stride, t->ordered, &slots, &links) < 0)
-        return NULL;
-    PyMem_Free(t->slots);
-    PyMem_Free(t->links);
-    t->slots = slots;
-    t->links = links;
-    t->cap = MIN_CAP;
-    t->used = 0;
-    t->zero_used = 0;
-    t->head = t->tail = NIL;
-    Py_RETURN_NONE;
-}
-
 typedef struct {
     PyObject *tables;
     size_t word;
@@ -762,18 +714,15 @@ static PyObject *Table_retain_held(Table *t, PyObject *args) {
 static PyMethodDef Table_methods[] = {
     {"widen", (PyCFunction)Table_widen, METH_O, "Grow each value to `words` words (more event sources)."},
     {"get", (PyCFunction)Table_get, METH_O, "The value stored under `key`, or None."},
-    {"contains", (PyCFunction)Table_contains_method, METH_O, "Whether `key` is stored."},
     {"pop", (PyCFunction)Table_pop, METH_O, "Remove `key`; its value, or None."},
     {"set_many", (PyCFunction)Table_set_many, METH_VARARGS, "Store values[i] under keys[i] (one-word tables)."},
     {"or_bit", (PyCFunction)Table_or_bit, METH_VARARGS, "Set `bit` on every key (added if absent)."},
     {"clear_bit", (PyCFunction)Table_clear_bit, METH_VARARGS,
      "Clear `bit` on the keys, dropping emptied entries; how many had it."},
-    {"clear_bit_all", (PyCFunction)Table_clear_bit_all, METH_O, "Clear `bit` everywhere; how many had it."},
     {"has_bit", (PyCFunction)Table_has_bit, METH_VARARGS, "Whether `key` is stored with `bit` set."},
     {"touch", (PyCFunction)Table_touch, METH_O, "Make the stored keys newest, the first key last (ordered)."},
     {"evict_oldest", (PyCFunction)Table_evict_oldest, METH_O, "Drop up to `count` oldest entries; how many."},
     {"items", (PyCFunction)Table_items, METH_NOARGS, "[(key, value)], oldest first when ordered."},
-    {"clear", (PyCFunction)Table_clear, METH_NOARGS, "Drop every entry."},
     {"retain_held", (PyCFunction)Table_retain_held, METH_VARARGS,
      "Keep only the entries whose value has `bit` in some table; how many were dropped."},
     {NULL, NULL, 0, NULL},
@@ -945,7 +894,7 @@ done:
     return result;
 }
 
-static int add_counts(Py_ssize_t *counts, const uint64_t *mask, int words) {
+static void add_counts(Py_ssize_t *counts, const uint64_t *mask, int words) {
     for (int w = 0; w < words; w++) {
         uint64_t bits = mask[w];
         while (bits) {
@@ -953,7 +902,6 @@ static int add_counts(Py_ssize_t *counts, const uint64_t *mask, int words) {
             bits &= bits - 1;
         }
     }
-    return 0;
 }
 
 /* The bits `tables[0..upto)` hold for `key`, OR-ed. */

@@ -59,9 +59,6 @@ class PureBlockTable:
     def get(self, key: int, /) -> int | None:
         return self._entries.get(key)
 
-    def contains(self, key: int, /) -> bool:
-        return key in self._entries
-
     def pop(self, key: int, /) -> int | None:
         return self._entries.pop(key, None)
 
@@ -100,11 +97,6 @@ class PureBlockTable:
                     del entries[key]
         return cleared
 
-    def clear_bit_all(self, bit: int, /) -> int:
-        mask = self._bit(bit)
-        held = [key for key, value in self._entries.items() if value & mask]
-        return self.clear_bit(held, bit)
-
     def has_bit(self, key: int, bit: int, /) -> bool:
         return bool(self._entries.get(key, 0) & self._bit(bit))
 
@@ -126,9 +118,6 @@ class PureBlockTable:
 
     def items(self) -> list[tuple[int, int]]:
         return list(self._entries.items())
-
-    def clear(self) -> None:
-        self._entries.clear()
 
     def retain_held(self, tables: tuple[BlockTable, ...], bit: int, /) -> int:
         if self._words != 1 or not tables:
