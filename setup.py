@@ -1,7 +1,8 @@
 """kvrouter's two C extensions; everything else is in pyproject.toml.
 
 * `kvrouter._blocktable`: the prefix index's tables (kvrouter/blocktable.py);
-* `kvrouter._blockkeys`: chained block keys, XXH3-64 over the token words (kvrouter/blocks.py).
+* `kvrouter._blockkeys`: chained block keys, XXH3-64 over the token words (kvrouter/blocks.py), with the official
+  xxHash header vendored in kvrouter/_vendor/xxhash.
 
 Both are optional: without a C compiler the install still succeeds and kvrouter runs their pure-Python twins
 (the router logs a warning). They are declared here, not under pyproject's `[tool.setuptools]`, where extension
@@ -15,6 +16,12 @@ FLAGS = ["-O2", "-std=c11"]
 setup(
     ext_modules=[
         Extension("kvrouter._blocktable", ["kvrouter/_blocktable.c"], extra_compile_args=FLAGS, optional=True),
-        Extension("kvrouter._blockkeys", ["kvrouter/_blockkeys.c"], extra_compile_args=FLAGS, optional=True),
+        Extension(
+            "kvrouter._blockkeys",
+            ["kvrouter/_blockkeys.c"],
+            depends=["kvrouter/_vendor/xxhash/xxhash.h"],
+            extra_compile_args=FLAGS,
+            optional=True,
+        ),
     ]
 )
