@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvrouter.blocks import python_chain_keys  # noqa: E402
+from kvrouter.blocks import python_chain_keys
 
 
 def load_extension(path: Path | None) -> Callable[..., list[int]]:
@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'block size':>10} {'C us/1k tok':>12} {'python us/1k tok':>17} {'python/C':>9}")
     for block_size in (16, 64, 256):
         assert native(tokens, block_size, 0, b"") == python_chain_keys(tokens, block_size, 0, b"")
-        c = median_us_per_1k(lambda: native(tokens, block_size, 0, b""), args.tokens, args.repeat)
-        py = median_us_per_1k(lambda: python_chain_keys(tokens, block_size, 0, b""), args.tokens, args.repeat // 4)
+        c = median_us_per_1k(lambda size=block_size: native(tokens, size, 0, b""), args.tokens, args.repeat)
+        py = median_us_per_1k(
+            lambda size=block_size: python_chain_keys(tokens, size, 0, b""), args.tokens, args.repeat // 4
+        )
         print(f"{block_size:>10} {c:>12.2f} {py:>17.2f} {py / c:>9.2f}")
     return 0
 
