@@ -19,6 +19,12 @@ a burst of siblings follows the first before the engine's events arrive. The eng
 block real; the mark itself simply lapses at its TTL (dropping it early would cut a provisional prefix in two
 while its tail is still being computed). Expiry is lazy, against the `now` callers pass.
 
+Hostile sequences. Every event sequence leaves the tables consistent (tests/test_index_adversarial.py holds
+them against a reference model): a store that names an engine hash already mapped to another key takes the old
+key's credit away first (counted in `hash_reuses`), so no bit outlives its source's removals and clears; a
+negative DP rank is refused (the ingest's sources drop ranks outside the replica's DP size before they get
+here); and a lookup that met a bit no source owns would skip it and count `orphaned_bits` rather than fail.
+
 Knobs: `provisional_ttl_s`; `max_blocks` (optional budget of tracked keys, provisional marks' keys included:
 beyond it the least recently stored or matched key is evicted from every replica, a chain's tail before its
 head — an evicted block is merely under-predicted; the tables then keep a recency list, 8 bytes more per slot);

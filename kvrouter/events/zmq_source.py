@@ -20,6 +20,14 @@ the replay socket for everything after each rank's last seq as soon as it subscr
 engine's gap is filled without waiting for its next message; live copies of what the replay delivered are
 dropped as duplicates.
 
+Hostile input is refused before it costs anything: a message whose DP rank is outside [0, data_parallel_size)
+is skipped as `bad_rank` (it would otherwise open an index source per made-up rank); a payload over the
+config's `max_message_bytes` is skipped undecoded as `oversized` (its seq then shows as a gap: replayed, or lost
+and the rank cleared; replay replies get ZMQ's MAXMSGSIZE as well). A bound socket (`bind: true`) trusts its
+network unless the config names `allow_from`: then the socket runs on a context of its own whose ZAP handler
+(`zap.PeerAllowList`) refuses every peer address outside the list (`peer_refused`). vLLM's publisher cannot
+authenticate, so an address check (or a network policy, or an ipc:// endpoint's file permissions) is all there is.
+
 Nothing stops the task but cancellation: a malformed frame or event is counted by `(replica, type, reason)`
 through `on_problem`, logged at most once per `log_every_s` per reason, and skipped; a socket error closes and
 reopens the sockets after `reconnect_s`.
