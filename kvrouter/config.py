@@ -67,6 +67,37 @@ class KvEventsConfig(BaseModel):
             "endpoint and replay_endpoint plus r; the router follows every rank."
         ),
     )
+    # Issue 15, hostile KV events: a size cap and a peer allow-list for bind mode.
+    max_message_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=1024,
+        le=1024 * 1024 * 1024,
+        description=(
+            "Largest event message (one ZMQ frame) accepted from this publisher (ZMQ's MAXMSGSIZE on the event "
+            "and replay sockets): a bigger one drops the peer's connection and is never buffered, so it shows as "
+            "a seq gap (replayed if it fits, else counted lost and the rank cleared). A real vLLM step is ~70 bytes "
+            "per 16-token block (a 64k-token step ~300 KB); the default bounds one message's ingest stall to ~50 ms."
+        ),
+    )
+    allow_from: list[str] | None = Field(
+        default=None,
+        description=(
+            "bind only: IP addresses or CIDR networks allowed to connect and publish (enforced with ZMQ's ZAP "
+            "handshake). vLLM's publisher cannot authenticate (no CURVE or PLAIN keys), so without it bind mode "
+            "trusts every process that can reach the address; use it, a network policy, or an ipc:// endpoint "
+            "with file permissions."
+        ),
+    )
+
+    @field_validator("allow_from")
+    @classmethod
+    def _networks(cls, value: list[str] | None) -> list[str] | None:
+        import ipaddress  # here, so this part's addition stays one block
+
+        if value is not None:
+            for network in value:
+                ipaddress.ip_network(network, strict=False)  # ValueError names the bad entry
+        return value
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod

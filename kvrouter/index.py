@@ -19,6 +19,12 @@ a burst of siblings follows the first before the engine's events arrive. The eng
 block real; the mark itself simply lapses at its TTL (dropping it early would cut a provisional prefix in two
 while its tail is still being computed). Expiry is lazy, against the `now` callers pass.
 
+Hostile sequences. Every event sequence leaves the tables consistent (tests/test_index_adversarial.py holds
+them against a reference model): a store that names an engine hash already mapped to another key takes the old
+key's credit away first (counted in `hash_reuses`), so no bit outlives its source's removals and clears; a
+negative DP rank is refused (the ingest's sources drop ranks outside the replica's DP size before they get
+here); and a lookup that met a bit no source owns would skip it and count `orphaned_bits` rather than fail.
+
 Knobs: `provisional_ttl_s`; `max_blocks` (optional budget of tracked keys, provisional marks' keys included:
 beyond it the least recently stored or matched key is evicted from every replica, a chain's tail before its
 head — an evicted block is merely under-predicted; the tables then keep a recency list, 8 bytes more per slot);
@@ -71,6 +77,10 @@ class PrefixIndex:
         self._next_bit = 0
         self._expiries: deque[tuple[float, _Source, tuple[BlockKey, ...]]] = deque()
         self._stale_mappings = 0
+        self.hash_reuses = 0
+        """Blocks whose engine hash was stored again under another key (the old key's bit was cleared)."""
+        self.orphaned_bits = 0
+        """Lookups that met a bit no source owns and ignored it (expected to stay 0)."""
         # PrefixMatch values are immutable: the common all-GPU ones are shared rather than built per lookup.
         self._matches: dict[int, PrefixMatch] = {}
 
@@ -112,17 +122,37 @@ class PrefixIndex:
         """Record that `replica` (rank `dp_rank`) now holds `keys` in `tier`, under the engine's `engine_hashes`."""
         if len(engine_hashes) != len(keys):
             raise ValueError("engine_hashes and keys must have the same length")
+        if dp_rank < 0:
+            raise ValueError("dp_rank must be >= 0 (the ingest rejects ranks outside the replica's DP size)")
+        if len(set(engine_hashes)) != len(engine_hashes):
+            engine_hashes, keys = _last_per_hash(engine_hashes, keys)
         source = self._source(replica, dp_rank)
+        blocks = source.blocks
+        previous = list(map(blocks.get, engine_hashes))
+        if previous.count(None) != len(previous):
+            self._displace(source, previous, keys)
         # Under a budget the table is ordered: the deepest block goes in first and the chain's head last, so the
         # head is the most recent and a chain loses its tail before its head.
         self._tiers[tier].or_bit(keys, source.bit)
-        source.blocks.set_many(engine_hashes, keys)
+        blocks.set_many(engine_hashes, keys)
         if self.max_blocks is not None:
             self._enforce_budget(self.max_blocks)
 
+    def _displace(self, source: _Source, previous: Sequence[int | None], keys: Sequence[BlockKey]) -> None:
+        """An engine hash stored again under another key: the block the engine named so before is gone (vLLM
+        re-stores a hash only after evicting it, so a different block under it means the old one left, or a
+        publisher that cannot be trusted). The old key loses this source's bit in every tier before the new keys
+        are stored; otherwise no engine-map entry would name the old key any more, and its bit would outlive
+        every removal and clear of the source (an orphaned bit, later credited to whoever reuses the bit)."""
+        old = [o for o, k in zip(previous, keys, strict=True) if o is not None and o != k]
+        if old:
+            self.hash_reuses += len(old)
+            for table in self._tiers:
+                table.clear_bit(old, source.bit)
+
     def key_of(self, replica: ReplicaName, engine_hash: EngineBlockHash, *, dp_rank: int = 0) -> BlockKey | None:
         """kvrouter's key for a block the engine named `engine_hash`, if that block was stored and understood."""
-        source = self._sources.get((replica, dp_rank))
+        source = self._sources.get((replica, dp_rank)) if dp_rank >= 0 else None
         if source is None:
             return None
         key = source.blocks.get(engine_hash)
@@ -137,13 +167,15 @@ class PrefixIndex:
         dp_rank: int = 0,
     ) -> int:
         """Forget blocks the engine evicted from `tier`; returns how many hashes were unknown."""
-        source = self._sources.get((replica, dp_rank))
+        source = self._sources.get((replica, dp_rank)) if dp_rank >= 0 else None
         if source is None:
             return sum(1 for _ in engine_hashes)
         return self.backend.remove_blocks(source.blocks, engine_hashes, self._tiers[tier], self._tiers, source.bit)
 
     def clear(self, replica: ReplicaName, *, dp_rank: int | None = None) -> None:
         """Drop the replica's blocks (one DP rank, or all ranks and its provisional marks)."""
+        if dp_rank is not None and dp_rank < 0:
+            return  # not an engine rank: the provisional slot is cleared only with the whole replica
         for source in [s for s in self._sources.values() if s.replica == replica]:
             if dp_rank is not None and source.rank != dp_rank:
                 continue
@@ -220,7 +252,12 @@ class PrefixIndex:
         by_bit = self._by_bit
         matches = self._matches
         for bit, blocks in any_lengths.items():
-            replica = by_bit[bit].replica
+            source = by_bit.get(bit)
+            if source is None:
+                # A bit no source owns (cannot happen by construction; a lookup must still never fail on it).
+                self.orphaned_bits += 1
+                continue
+            replica = source.replica
             gpu_blocks = gpu_lengths.get(bit, 0)
             best = result.get(replica)
             if best is not None:
@@ -279,6 +316,14 @@ class PrefixIndex:
         if not marks and not any(map(len, self._tiers[1:])):
             return len(self._gpu)
         return self.backend.held_counts(self._tiers, marks)[1]
+
+
+def _last_per_hash(
+    engine_hashes: Sequence[EngineBlockHash], keys: Sequence[BlockKey]
+) -> tuple[list[EngineBlockHash], list[BlockKey]]:
+    """One store naming a hash twice: the later block is the one under it (as if stored one after the other)."""
+    last = dict(zip(engine_hashes, keys, strict=True))
+    return list(last), list(last.values())
 
 
 __all__ = ["PrefixIndex"]

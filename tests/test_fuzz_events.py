@@ -42,7 +42,7 @@ def fuzz(share: float) -> Any:
 
 
 BLOCK = 4
-FRAME_REASONS = {"bad_frame_count", "bad_seq", "bad_payload", "lost"}
+FRAME_REASONS = {"bad_frame_count", "bad_seq", "bad_payload", "lost", "bad_rank"}
 EVENT_STATUSES = {
     "ok", "restart", "bad_event", "unknown_type", "unknown_parent", "unknown_block", "block_size_mismatch",
     "unsupported_extra_keys", "ignored_group",
@@ -50,9 +50,7 @@ EVENT_STATUSES = {
 
 u64 = st.integers(min_value=0, max_value=2**64 - 1)
 any_int = st.integers(min_value=-(2**63), max_value=2**64 - 1)
-scalars = (
-    st.none() | st.booleans() | any_int | st.floats() | st.text(max_size=20) | st.binary(max_size=40)
-)
+scalars = st.none() | st.booleans() | any_int | st.floats() | st.text(max_size=20) | st.binary(max_size=40)
 msgpack_values = st.recursive(
     scalars,
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),

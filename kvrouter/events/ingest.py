@@ -11,6 +11,10 @@ be reproduced from a request's text, so they are counted as `unsupported_extra_k
 Only full-attention KV groups are indexed (hybrid models publish one store per group; the others are counted as
 `ignored_group`).
 
+A store that reuses an engine hash for other tokens counts as "ok": the index treats the old block under that
+hash as gone (see `index`). Ranks outside the replica's DP size never get here (`zmq_source` skips them as
+`bad_rank`), nor do messages over `max_message_bytes` (`oversized`).
+
 Every event ends in exactly one `(replica, type, status)` count, handed to `on_event` (the Prometheus counter in
 the app) and kept in `counts` for tests and the debug endpoint. The keys of every indexed store also go to
 `on_stored` (the feedback overlay, `kvrouter.feedback`, clears its suspect blocks there), set after construction
@@ -119,9 +123,7 @@ class IndexIngest:
                 return "unsupported_extra_keys"
         try:
             if event.parent is None:
-                keys = chain_keys(
-                    event.token_ids, block_size, seed=self.seed, lora=event.lora_name, cache_salt=salt
-                )
+                keys = chain_keys(event.token_ids, block_size, seed=self.seed, lora=event.lora_name, cache_salt=salt)
             else:
                 parent_key = self.index.key_of(replica, event.parent, dp_rank=rank)
                 if parent_key is None:

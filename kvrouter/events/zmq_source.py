@@ -20,6 +20,14 @@ the replay socket for everything after each rank's last seq as soon as it subscr
 engine's gap is filled without waiting for its next message; live copies of what the replay delivered are
 dropped as duplicates.
 
+Hostile input is refused before it costs anything: a message whose DP rank is outside [0, data_parallel_size)
+is skipped as `bad_rank` (it would otherwise open an index source per made-up rank); a payload over the
+config's `max_message_bytes` is skipped undecoded as `oversized` (its seq then shows as a gap: replayed, or lost
+and the rank cleared; replay replies get ZMQ's MAXMSGSIZE as well). A bound socket (`bind: true`) trusts its
+network unless the config names `allow_from`: then the socket runs on a context of its own whose ZAP handler
+(`zap.PeerAllowList`) refuses every peer address outside the list (`peer_refused`). vLLM's publisher cannot
+authenticate, so an address check (or a network policy, or an ipc:// endpoint's file permissions) is all there is.
+
 Nothing stops the task but cancellation: a malformed frame or event is counted by `(replica, type, reason)`
 through `on_problem`, logged at most once per `log_every_s` per reason, and skipped; a socket error closes and
 reopens the sockets after `reconnect_s`.
@@ -56,6 +64,7 @@ from kvrouter.events.wire import (
     split_frames,
     split_replay_reply,
 )
+from kvrouter.events.zap import ZAP_DOMAIN, PeerAllowList
 
 _YIELD_EVERY_S = 0.002
 
@@ -104,7 +113,7 @@ class SequenceTracker:
     last: dict[int, int] = field(default_factory=dict)
 
     def classify(self, rank: int, seq: int) -> str:
-        """"next", "first" (no history), "gap" (seq skipped ahead) or "restart" (seq went backwards or repeated)."""
+        """ "next", "first" (no history), "gap" (seq skipped ahead) or "restart" (seq went backwards or repeated)."""
         previous = self.last.get(rank)
         if previous is None:
             return "first"
@@ -175,8 +184,30 @@ class ZmqEventSource:
     # ---- the loop -----------------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        guard = self._guard()
+        try:
+            await self._follow(guard.context if guard is not None else self.context)
+        finally:
+            if guard is not None:
+                await guard.stop()
+                guard.context.destroy(linger=0)
+
+    def _guard(self) -> PeerAllowList | None:
+        """A bound socket with an allow-list gets a context of its own with a ZAP handler (one per context)."""
+        if not (self.config.bind and self.config.allow_from is not None):
+            return None
+        context = zmq.asyncio.Context()
+        context.setsockopt(zmq.LINGER, 0)
+        guard = PeerAllowList(context, self.config.allow_from, on_refused=self._refused)
+        guard.start()
+        return guard
+
+    def _refused(self, peer: str) -> None:
+        self._problem(DecodeProblem("frame", "peer_refused", peer))
+
+    async def _follow(self, context: zmq.asyncio.Context) -> None:
         while True:
-            socket = self._open()
+            socket = self._open(context)
             worked_since = self.clock()
             try:
                 self.connected.set()
@@ -212,9 +243,11 @@ class ZmqEventSource:
                 socket.close(linger=0)
             await asyncio.sleep(self.reconnect_s)
 
-    def _open(self) -> zmq.asyncio.Socket:
-        socket = self.context.socket(zmq.SUB)
+    def _open(self, context: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+        socket = context.socket(zmq.SUB)
         socket.setsockopt(zmq.RCVHWM, self.rcv_hwm)
+        if self.config.bind and self.config.allow_from is not None:
+            socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
         socket.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
         for rank in range(self.data_parallel_size):
             endpoint = offset_endpoint(self.config.endpoint, rank)
@@ -237,10 +270,19 @@ class ZmqEventSource:
         if seq is None:
             self._problem(DecodeProblem("frame", "bad_seq", seq_frame[:16].hex()))
             return
+        if len(payload) > self.config.max_message_bytes:
+            # Skipped before decoding (which would hold the loop ~15 ms per MB); the seq is not delivered, so the
+            # rank's next message shows it as a gap: replayed (refused again there) or counted lost, rank cleared.
+            self._problem(DecodeProblem("frame", "oversized", f"seq {seq}: {len(payload)} bytes"))
+            return
         batch = self._decode(seq, payload)
         if batch is None:
             return
         rank = batch.dp_rank
+        if not 0 <= rank < self.data_parallel_size:
+            # Not a rank this replica has: indexing it would open a source (a table bit) per made-up rank.
+            self._problem(DecodeProblem("frame", "bad_rank", f"rank {rank} of {self.data_parallel_size}"))
+            return
         floor = self._caught_up_from.get(rank)
         if floor is not None:
             if floor < seq <= self.tracker.last.get(rank, -1):
@@ -253,7 +295,10 @@ class ZmqEventSource:
             self.log.warning(
                 f"restart:{self.replica}",
                 "kv events from %s rank %d: seq went from %d to %d; the engine restarted, dropping its blocks",
-                self.replica, rank, self.tracker.last[rank], seq,
+                self.replica,
+                rank,
+                self.tracker.last[rank],
+                seq,
             )
             # A vLLM server restarts all its DP ranks together; a rank that has not spoken yet must not keep
             # its old blocks meanwhile. Each rank's history starts over.
@@ -285,7 +330,11 @@ class ZmqEventSource:
             self.on_problem(self.replica, problem.kind, problem.reason)
         self.log.warning(
             f"{problem.kind}:{problem.reason}:{self.replica}",
-            "kv events from %s: skipped %s (%s) %s", self.replica, problem.kind, problem.reason, problem.detail[:200],
+            "kv events from %s: skipped %s (%s) %s",
+            self.replica,
+            problem.kind,
+            problem.reason,
+            problem.detail[:200],
         )
 
     # ---- replay -------------------------------------------------------------------------------------------
@@ -325,8 +374,12 @@ class ZmqEventSource:
         if self.on_problem is not None:
             self.on_problem(self.replica, "frame", "lost")
         self.log.warning(
-            f"lost:{self.replica}", "kv events from %s rank %d: seqs %d..%d are lost (not in the replay buffer)",
-            self.replica, rank, start, until - 1,
+            f"lost:{self.replica}",
+            "kv events from %s rank %d: seqs %d..%d are lost (not in the replay buffer)",
+            self.replica,
+            rank,
+            start,
+            until - 1,
         )
         if rank in self.tracker.last:
             self.lost_clears += 1
@@ -338,6 +391,7 @@ class ZmqEventSource:
         endpoint = offset_endpoint(self.config.replay_endpoint, rank)
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         batches: list[tuple[int, EventBatch]] = []
         try:
             socket.connect(endpoint)
@@ -353,6 +407,9 @@ class ZmqEventSource:
                 seq, payload = reply
                 if seq == SEQ_END:
                     break
+                if len(payload) > self.config.max_message_bytes:
+                    self._problem(DecodeProblem("frame", "oversized", f"replayed seq {seq}: {len(payload)} bytes"))
+                    continue
                 batch = self._decode(seq, payload)
                 if batch is not None:
                     batches.append((seq, batch))

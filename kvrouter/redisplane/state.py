@@ -42,8 +42,22 @@ class ReplicaState:
             raise ValueError("engine_hashes and keys must have the same length")
         if not keys:
             return
+        self._forget_reused(dp_rank, int(tier), engine_hashes, keys)
         self._tables.setdefault((dp_rank, int(tier)), {}).update(zip(engine_hashes, keys, strict=True))
         self._record(Stored.of(dp_rank, int(tier), engine_hashes, keys), len(keys))
+
+    def _forget_reused(
+        self, rank: int, tier: int, engine_hashes: Sequence[EngineBlockHash], keys: Sequence[BlockKey]
+    ) -> None:
+        """A hash stored again under another key names a new block: the old one under it is gone in every tier
+        (the router's index does the same when it applies the Stored op), so a hash maps to one key per rank."""
+        for (table_rank, table_tier), table in self._tables.items():
+            if table_rank != rank or table_tier == tier or table.keys().isdisjoint(engine_hashes):
+                continue
+            for engine_hash, key in zip(engine_hashes, keys, strict=True):
+                old = table.get(engine_hash)
+                if old is not None and old != key:
+                    del table[engine_hash]
 
     def remove_blocks(
         self,
@@ -105,8 +119,9 @@ class ReplicaState:
         """Apply ops read back from Redis (a snapshot and the stream since) without recording them."""
         for op in ops:
             if isinstance(op, Stored):
-                table = self._tables.setdefault((op.rank, op.tier), {})
-                table.update(zip(unpack_u64(op.hashes), unpack_u64(op.keys), strict=True))
+                hashes, keys = unpack_u64(op.hashes), unpack_u64(op.keys)
+                self._forget_reused(op.rank, op.tier, hashes, keys)  # type: ignore[arg-type]
+                self._tables.setdefault((op.rank, op.tier), {}).update(zip(hashes, keys, strict=True))
             elif isinstance(op, Removed):
                 table = self._tables.get((op.rank, op.tier), {})
                 for engine_hash in unpack_u64(op.hashes):
