@@ -80,6 +80,9 @@ def build_prefix_parts(
     if not native_block_keys():
         log.warning("block keys are hashed from Python (kvrouter._blockkeys was not built): ~5x slower, same keys")
     metrics.events.index_bytes.set_function(index.table_bytes)
+    metrics.events.read_index_anomalies(
+        lambda: {"hash_reuse": index.hash_reuses, "orphaned_bit": index.orphaned_bits}
+    )
     parts = PrefixParts(index=index)
     if fleet.tokenizer is None:
         log.warning("replicas.yaml names no tokenizer: requests are routed on load only, without prefix matching")

@@ -254,3 +254,21 @@ PureHostileSequences.TestCase.settings = settings(STEPS, max_examples=50)
 TestPureHostileSequences = PureHostileSequences.TestCase
 BudgetedHostileSequences.TestCase.settings = settings(STEPS, max_examples=50)
 TestBudgetedHostileSequences = BudgetedHostileSequences.TestCase
+
+
+def test_hash_reuses_are_exported_as_index_anomalies() -> None:
+    """The repair is visible to operators: kvrouter_index_anomalies_total{kind="hash_reuse"} counts it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvrouter.events.metrics import EventMetrics
+
+    registry = CollectorRegistry(auto_describe=True)
+    metrics = EventMetrics(registry)
+    index = PrefixIndex()
+    metrics.read_index_anomalies(lambda: {"hash_reuse": index.hash_reuses, "orphaned_bit": index.orphaned_bits})
+    ingest = IndexIngest(index, block_sizes={A: BLOCK})
+    ingest.apply(batch(A, BlockStored([EngineBlockHash(77)], None, [1, 2, 3, 4], BLOCK)))
+    ingest.apply(batch(A, BlockStored([EngineBlockHash(77)], None, [5, 6, 7, 8], BLOCK)))
+    text = generate_latest(registry).decode()
+    assert 'kvrouter_index_anomalies_total{kind="hash_reuse"} 1.0' in text
+    assert 'kvrouter_index_anomalies_total{kind="orphaned_bit"} 0.0' in text

@@ -6,8 +6,9 @@ Shared by the router's embedded ingest and the relay: `events` counts every even
 names a reader (the router's prefix index, `PrefixIndex.held_counts`), read at scrape time, so it reports what the
 index holds then rather than a count kept per batch; `ingest_lag` is how old the engine's last batch was when it
 was applied (engine clock vs. ours, so it includes clock skew); `index_bytes` is the router index's table memory,
-read at scrape time; `load_only` is 1 when no tokenizer is configured
-and every request is routed on load alone.
+read at scrape time; `index_anomalies` counts what the index met and repaired (an engine hash re-stored for
+other tokens, a mask bit no source owned), read from the index at scrape time; `load_only` is 1 when no tokenizer
+is configured and every request is routed on load alone.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import contextlib
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 
 HeldBlocks = Callable[[], Mapping[str, int]]
 """-> blocks held per followed replica (0 included), read at scrape time."""
+AnomalyCounts = Callable[[], Mapping[str, int]]
+"""-> running count per anomaly kind, read at scrape time."""
 
 
 class EventMetrics:
@@ -45,6 +48,14 @@ class EventMetrics:
             "Python fallback's figure is an estimate). Router only.",
             registry=registry,
         )
+        self.index_anomalies = _ReadCounter(
+            "kvrouter_index_anomalies",
+            "Anomalies the prefix index met in KV events and repaired, by kind: hash_reuse (an engine hash stored "
+            "again for other tokens: the old block's credit is dropped first), orphaned_bit (a mask bit no source "
+            "owns, skipped by a lookup). Router only.",
+            "kind",
+        )
+        registry.register(self.index_anomalies)
         self.load_only = Gauge(
             "kvrouter_routing_load_only",
             "1 when no tokenizer is configured, so requests are routed on load alone (no prefix matching).",
@@ -57,6 +68,9 @@ class EventMetrics:
     def read_index_blocks(self, held: HeldBlocks) -> None:
         """Report `index_blocks` from `held` at every scrape (replicas it no longer names are dropped)."""
         self.index_blocks.held = held
+
+    def read_index_anomalies(self, counts: AnomalyCounts) -> None:
+        self.index_anomalies.read = counts
 
     def forget(self, replica: str) -> None:
         for gauge in (self.index_blocks, self.ingest_lag):
@@ -80,3 +94,23 @@ class _HeldGauge(Gauge):
                 self.labels(replica).set(blocks)
             self._shown = frozenset(counts)
         return super().collect()
+
+
+class _ReadCounter:
+    """A counter family whose values live elsewhere (the index's own tallies) and are read at scrape time."""
+
+    def __init__(self, name: str, documentation: str, label: str) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._label = label
+        self.read: AnomalyCounts | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(self._name, self._documentation, labels=[self._label])]
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
+        if self.read is not None:
+            for kind, count in sorted(self.read().items()):
+                family.add_metric([kind], count)
+        return [family]
