@@ -206,6 +206,9 @@ def test_version_has_one_source(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"kvrouter {declared}\n"
     copies = [path for path in (ROOT / "kvrouter").rglob("*.py") if f'"{declared}"' in path.read_text("utf-8")]
     assert copies == []
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").splitlines()
+    headings = [line for line in changelog if line.startswith("## ")]
+    assert headings[0] == "## Unreleased" and any(line.startswith(f"## {declared} - ") for line in headings)
 
 
 def test_the_pytorch_advisory_is_silenced_but_warnings_are_not() -> None:
