@@ -160,8 +160,10 @@ def demo(tmp_path: Path) -> Iterator[Demo]:
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_to_the_demo_stops_every_child(demo: Demo) -> None:
-    # SIGTERM used to kill the demo alone and leave its simulated replicas, router and Locust running.
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_demo_alone_stops_every_child(demo: Demo, signum: signal.Signals) -> None:
+    # SIGTERM used to kill the demo alone and leave its simulated replicas, router and Locust running. Ctrl-C was
+    # clean only because the terminal signals the whole process group; a SIGINT to the demo's pid alone is too now.
     deadline = time.monotonic() + 150
     while not any("-m locust" in command for command in demo.children.values()):
         assert demo.process.poll() is None, demo.log.read_text()
@@ -170,13 +172,13 @@ def test_sigterm_to_the_demo_stops_every_child(demo: Demo) -> None:
         demo.children.update(descendants(demo.process.pid))
     commands = list(demo.children.values())
     assert any(" sim " in c for c in commands) and any("--policy" in c for c in commands)
-    demo.process.send_signal(signal.SIGTERM)
-    assert demo.process.wait(timeout=60) == 128 + signal.SIGTERM
+    demo.process.send_signal(signum)
+    assert demo.process.wait(timeout=60) == 128 + signum
     gone_by = time.monotonic() + 15
     while any(alive(pid) for pid in demo.children) and time.monotonic() < gone_by:
         time.sleep(0.1)
     assert not [command for pid, command in demo.children.items() if alive(pid)]
-    assert "interrupted by SIGTERM" in demo.log.read_text()
+    assert f"interrupted by {signum.name}" in demo.log.read_text()
 
 
 # -- help, version, noise -----------------------------------------------------------------------------------------
@@ -241,21 +243,34 @@ def listening(port: int) -> set[str]:
     return addresses
 
 
-@pytest.mark.timeout(180)
-def test_sim_binds_its_event_sockets_on_host(tmp_path: Path) -> None:
+def start_sim_on_loopback(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """`kvrouter sim --host 127.0.0.1` on four fresh ports, once its replicas.yaml is written; tries other ports
+    when another process on this shared machine took one meanwhile."""
     from kvrouter.sim.cli import free_port_run
 
-    base = free_port_run(4)
-    replicas_file = tmp_path / "replicas.yaml"
-    argv = kvrouter_argv("sim", "--replicas", "1", "--host", "127.0.0.1", "--base-port", str(base), "--kv-base-port",
-                         str(base + 2), "--write-replicas", str(replicas_file), "--log-level", "warning")  # fmt: skip
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
+    for attempt in range(3):
+        base = free_port_run(4)
+        replicas_file = tmp_path / f"replicas-{attempt}.yaml"
+        log = tmp_path / f"sim-{attempt}.log"
+        argv = kvrouter_argv("sim", "--replicas", "1", "--host", "127.0.0.1", "--base-port", str(base),
+                             "--kv-base-port", str(base + 2), "--write-replicas", str(replicas_file),
+                             "--log-level", "warning")  # fmt: skip
+        with log.open("wb") as handle:
+            process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
-        while not replicas_file.is_file():
-            assert process.poll() is None, process.stderr.read() if process.stderr else ""
-            assert time.monotonic() < deadline
+        while not replicas_file.is_file() and process.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
+        if process.poll() is None:
+            return process, base, replicas_file
+        assert "in use" in log.read_text(), log.read_text()
+    raise AssertionError("no free ports for the simulator in three tries")
+
+
+@pytest.mark.timeout(180)
+def test_sim_binds_its_event_sockets_on_host(tmp_path: Path) -> None:
+    process, base, replicas_file = start_sim_on_loopback(tmp_path)
+    try:
         events = yaml.safe_load(replicas_file.read_text())["replicas"][0]["kv_events"]
         assert events["endpoint"] == f"tcp://127.0.0.1:{base + 2}"
         loopback = "0100007F"
