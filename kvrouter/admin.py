@@ -15,7 +15,8 @@ With Redis (``KVROUTER_REDIS_URL``) drains, undrains and reloads reach every rou
 The work itself is `kvrouter.fleet_admin.FleetAdmin`.
 
 And, open because kubelets and load balancers call them: ``GET /ready`` — 200 once every readiness check passes
-(the fleet is loaded, the event source has delivered the prefix index), else 503 naming the failing checks; and
+(at least one replica routable: configured, breaker not open, not drained — `replicas_routable`; the event
+source has delivered the prefix index), else 503 with ``reason`` and the failing checks; and
 ``GET /live`` — 200 while the event loop answers (liveness must not fail when the replicas do: /health answers
 503 when no replica is routable, and restarting the router would not help).
 """
@@ -27,8 +28,9 @@ import contextlib
 import hmac
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from aiohttp import web
 
@@ -70,6 +72,48 @@ class Readiness:
         return ready, results
 
 
+class ReplicaView(Protocol):
+    """What readiness reads of one replica (`kvrouter.replicas.ReplicaState`)."""
+
+    @property
+    def name(self) -> ReplicaName: ...
+
+    @property
+    def routable(self) -> bool:
+        """Breaker closed, or half-open with its trial free."""
+        ...
+
+
+class FleetView(Protocol):
+    """What readiness reads of the fleet (`kvrouter.replicas.ReplicaSet`)."""
+
+    @property
+    def draining(self) -> set[ReplicaName]: ...
+
+    def __iter__(self) -> Iterator[ReplicaView]: ...
+
+
+def replicas_routable(fleet: FleetView) -> ReadinessCheck:
+    """The "replicas" check: ready while at least one replica can take a request now, as the proxy decides it
+    (`ReplicaSet.routable`); otherwise the reason names why none can."""
+
+    def check() -> bool | str:
+        states = list(fleet)
+        if not states:
+            return "no replicas configured"
+        if any(state.routable and state.name not in fleet.draining for state in states):
+            return True
+        drained = sum(1 for state in states if state.name in fleet.draining)
+        broken = sum(1 for state in states if not state.routable)
+        if drained == len(states):
+            return f"no replica is routable: all {len(states)} are draining"
+        if broken == len(states):
+            return f"no replica is routable: the circuit breaker is open on all {len(states)}"
+        return f"no replica is routable: {drained} draining, {broken} with the circuit breaker open"
+
+    return check
+
+
 ADMIN_KEY = web.AppKey("kvrouter_admin", FleetAdmin)
 READINESS_KEY = web.AppKey("kvrouter_readiness", Readiness)
 ADMIN_TOKEN_KEY = web.AppKey("kvrouter_admin_token", str)
@@ -89,9 +133,15 @@ def check_admin_token(request: web.Request) -> web.Response | None:
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
         return web.json_response(
-            {"error": {"message": "missing or wrong admin token", "type": "authentication_error",
-                       "code": "invalid_admin_token"}},
-            status=401, headers={"WWW-Authenticate": 'Bearer realm="kvrouter-admin"'},
+            {
+                "error": {
+                    "message": "missing or wrong admin token",
+                    "type": "authentication_error",
+                    "code": "invalid_admin_token",
+                }
+            },
+            status=401,
+            headers={"WWW-Authenticate": 'Bearer realm="kvrouter-admin"'},
         )
     return None
 
@@ -171,7 +221,10 @@ async def reload_fleet(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     is_ready, checks = request.app[READINESS_KEY].evaluate()
-    return web.json_response({"ready": is_ready, "checks": checks}, status=200 if is_ready else 503)
+    if is_ready:
+        return web.json_response({"ready": True, "checks": checks})
+    reason = "; ".join(f"{name}: {outcome}" for name, outcome in checks.items() if outcome != "ok")
+    return web.json_response({"ready": False, "reason": reason, "checks": checks}, status=503)
 
 
 async def live(request: web.Request) -> web.Response:

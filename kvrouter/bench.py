@@ -10,11 +10,12 @@ Time: `--duration` is wall seconds of arrivals per row. `--time-scale X` runs th
 faster than real time (below 1: slower, which spares a small machine the streaming load); arrival rates,
 think times and the trace speed-up are given in engine time and scaled here, and the report shows engine time.
 
-`--router-cmd 'NAME=COMMAND'` runs another router in front of the same kind of fleet; COMMAND is a template
-with {port}, {worker_urls} (space-separated), {worker_urls_csv}, {replicas_file}, {block_size},
-{kv_event_sources} (WORKER_URL=tcp://HOST:PORT, space-separated) and {kv_event_source_flags}; see
-docs/benchmarks.md for the commands used with smg, sglang-router and vllm-router. `--target 'NAME=URL'`
+`--router-cmd 'NAME=COMMAND'` runs another router in front of the same kind of fleet (`ROUTER_CMD_HELP`);
+see docs/benchmarks.md for the commands used with smg, sglang-router and vllm-router. `--target 'NAME=URL'`
 load-tests an endpoint that is already running (no simulator; replica metrics only from `--target-metrics`).
+
+Before anything starts, Locust and matplotlib (the `loadtest` extra) must import, else exit 2 with the install
+command. SIGTERM stops the run as Ctrl-C does: every child process is stopped and the partial report kept.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,16 +32,21 @@ from typing import Any
 
 from kvrouter.config import POLICY_NAMES
 from kvrouter.loadgen.fleet import (
+    LOADTEST_INSTALL,
     Child,
     FleetError,
     SimFleet,
+    Terminated,
     free_port_range,
+    interrupts_stop_children,
     locust_argv,
+    missing_loadtest_modules,
     scrape,
     start_child,
     start_kvrouter,
     start_router_cmd,
     start_sim,
+    stop_all,
 )
 from kvrouter.loadgen.report import LoadSample, RowData, console_table, counter_deltas, read_records, summarize
 from kvrouter.loadgen.workloads import WORKLOADS, WorkloadParams, build_schedule, count_requests
@@ -47,6 +54,18 @@ from kvrouter.loadgen.workloads import WORKLOADS, WorkloadParams, build_schedule
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake" / ("conversation_trace.jsonl")
 )
+"""Where a source checkout keeps the Mooncake trace (beside the repository); an installed package has none."""
+
+ROUTER_CMD_HELP = """\
+--router-cmd 'NAME=COMMAND' runs another router in front of fresh simulated replicas. COMMAND is a template;
+these placeholders are filled in:
+  {port}                   the port the router must listen on (127.0.0.1)
+  {worker_urls}            the replicas' base URLs, space-separated ({worker_urls_csv}: comma-separated)
+  {replicas_file}          a kvrouter replicas.yaml of the fleet
+  {block_size}             the engines' KV block size
+  {kv_event_sources}       WORKER_URL=tcp://HOST:PORT per replica, space-separated
+  {kv_event_source_flags}  `--kv-event-source WORKER_URL=tcp://HOST:PORT` per replica
+docs/benchmarks.md has the commands used for smg, sglang-router and vllm-router."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +147,8 @@ class BenchPlan:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ROUTER_CMD_HELP
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--workload", default="multi-tenant", choices=sorted(WORKLOADS))
     parser.add_argument("--replicas", type=int, default=4, help="Simulated replicas per row.")
     parser.add_argument("--profile", default="b200x4-moe-1t", help="Simulator profile.")
@@ -138,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=COMMAND",
-        help="Another router in front of fresh simulated replicas (template, see above).",
+        help="Another router in front of fresh simulated replicas (COMMAND: a template, see below).",
     )
     parser.add_argument(
         "--target",
@@ -163,7 +184,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=None)
     parser.add_argument("--turns", type=int, default=None)
     parser.add_argument("--think", type=float, default=None, help="Mean pause between turns, engine seconds.")
-    parser.add_argument("--trace", type=Path, default=None, help=f"Mooncake trace (default {DEFAULT_TRACE}).")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="Mooncake trace (JSONL) for --workload mooncake; in a source checkout the default is "
+        "../shared/traces/mooncake/conversation_trace.jsonl beside the repository.",
+    )
     parser.add_argument("--trace-speedup", type=float, default=1.0, help="Trace seconds per engine second.")
     parser.add_argument("--trace-start", type=float, default=0.0, help="Offset into the trace, seconds.")
     parser.add_argument("--users", type=int, default=512, help="Locust users (concurrent sessions at most).")
@@ -235,6 +262,8 @@ class _Progress:
     done: int = 0
     errors: int = 0
     recent_ttft: list[float] = field(default_factory=list)
+    recent_late: list[float] = field(default_factory=list)
+    """Wall seconds each recent request was sent after its scheduled time."""
 
     def poll(self) -> None:
         if not self.path.is_file():
@@ -252,11 +281,14 @@ class _Progress:
             except ValueError:
                 continue
             self.done += 1
+            if record.get("due_s") is not None and record.get("start_s") is not None:
+                self.recent_late.append(max(0.0, float(record["start_s"]) - float(record["due_s"])))
             if record.get("error") is not None:
                 self.errors += 1
             elif record.get("ttft_s") is not None:
                 self.recent_ttft.append(record["ttft_s"])
         self.recent_ttft = self.recent_ttft[-200:]
+        self.recent_late = self.recent_late[-200:]
 
 
 def _median(values: list[float]) -> float | None:
@@ -316,8 +348,7 @@ def run_row(plan: BenchPlan, spec: RowSpec, scheduled: int, say: Any) -> RowData
         counters = {name: counter_deltas(before[name], after[name]) for name in replicas}
         return RowData(spec.name, read_records(records_path), scheduled, counters, samples)
     finally:
-        for child in reversed(children):
-            child.stop()
+        stop_all(children)
 
 
 def _watch(
@@ -343,9 +374,11 @@ def _watch(
             last_print = now
             ttft = _median(progress.recent_ttft)
             ttft_text = "–" if ttft is None else f"{ttft * plan.time_scale:.3f} s"
+            late = max(progress.recent_late, default=None)
+            late_text = "–" if late is None else f"{1000 * late:.0f} ms"
             say(
                 f"[{spec.name}] {now:5.0f}/{plan.params.duration_s:.0f} s  done {progress.done}/{progress.scheduled}"
-                f"  errors {progress.errors}  TTFT p50 (recent) {ttft_text}"
+                f"  errors {progress.errors}  TTFT p50 (recent) {ttft_text}  sent late (max recent) {late_text}"
                 f"  running+waiting per replica {' '.join(queues) or '–'}"
             )
     return samples
@@ -380,10 +413,34 @@ def execute(plan: BenchPlan, say: Any = print) -> dict[str, Any]:
     if not rows:
         raise FleetError("no row ran: " + "; ".join(f"{name}: {text}" for name, text in failed.items()))
     try:
-        write_plots(plan.out, rows, time_scale=plan.time_scale)
+        written = write_plots(plan.out, rows, time_scale=plan.time_scale)
     except ImportError:
-        say("matplotlib is not installed: no plots (pip install 'kvrouter[loadtest]')")
+        say(f"matplotlib is not installed: no plots ({LOADTEST_INSTALL})")
+        written = []
+    report["plots"] = [path.name for path in written]
+    write_report(plan.out, report)  # again, now linking the plots
     return report
+
+
+def loadtest_refusal(command: str) -> str | None:
+    """The one line to print (exit 2) when the `loadtest` extra is missing; None when it imports."""
+    missing = missing_loadtest_modules()
+    if not missing:
+        return None
+    names = " and ".join(missing)
+    verb = "does" if len(missing) == 1 else "do"
+    return f"kvrouter {command}: {names} {verb} not import; install the load-test extra: {LOADTEST_INSTALL}"
+
+
+def interrupted_exit(command: str, error: KeyboardInterrupt, out: Path) -> int:
+    """Report an interruption (Ctrl-C or SIGTERM; the children are stopped by then) and its exit code."""
+    signum = error.signum if isinstance(error, Terminated) else signal.SIGINT
+    print(
+        f"kvrouter {command}: interrupted by {signal.Signals(signum).name}; every child process stopped; "
+        f"partial report in {out}",
+        file=sys.stderr,
+    )
+    return 128 + int(signum)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -392,16 +449,25 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvrouter bench: {error}", file=sys.stderr)
         return 2
+    refusal = loadtest_refusal("bench")
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     try:
-        report = execute(plan, say=lambda text: print(text, flush=True))
+        with interrupts_stop_children():
+            report = execute(plan, say=lambda text: print(text, flush=True))
     except FleetError as error:
         print(f"kvrouter bench: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("kvrouter bench: interrupted; partial report in", plan.out, file=sys.stderr)
-        return 1
+    except KeyboardInterrupt as error:
+        return interrupted_exit("bench", error, plan.out)
     print()
     print(console_table(report))
     with contextlib.suppress(OSError):
-        print(f"\nreport: {plan.out / 'report.md'}")
+        print(f"\nreport: {plan.out / 'report.md'}{plots_note(report)}")
     return 0
+
+
+def plots_note(report: dict[str, Any]) -> str:
+    plots = report.get("plots") or []
+    return f" (plots beside it: {', '.join(plots)})" if plots else " (no plots)"

@@ -115,7 +115,12 @@ class ReplicaConfig(BaseModel):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")] = Field(
         description="Unique name; used in metrics labels, logs and the x-kvrouter-replica header.",
     )
-    url: AnyHttpUrl = Field(description="Base URL of the replica's OpenAI server, e.g. http://10.0.0.5:8000.")
+    url: AnyHttpUrl = Field(
+        description=(
+            "Base URL of the replica's OpenAI server, e.g. http://10.0.0.5:8000, without /v1 (kvrouter appends "
+            "the OpenAI paths), a query or a fragment."
+        )
+    )
     kv_events: KvEventsConfig | None = Field(
         default=None, description="The replica's KV event publisher; without it the replica is routed on load only."
     )
@@ -123,6 +128,21 @@ class ReplicaConfig(BaseModel):
         default=None, ge=1, le=4096, description="Engine block size if it differs from the fleet's block_size."
     )
     weight: float = Field(default=1.0, gt=0, description="Relative capacity; a 2.0 replica takes twice the load.")
+
+    @field_validator("url")
+    @classmethod
+    def _base_url_only(cls, url: AnyHttpUrl) -> AnyHttpUrl:
+        # The router appends /v1/chat/completions and the other paths itself: a URL that already carries /v1
+        # is accepted by every HTTP check and then answers 404 to every request, so it is refused here.
+        base = str(url).split("?", 1)[0].split("#", 1)[0].rstrip("/")
+        if "v1" in (url.path or "").split("/"):
+            raise ValueError(
+                f"{str(url)!r} has '/v1' in its path; drop it (e.g. {base.rsplit('/v1', 1)[0]}): kvrouter appends "
+                "/v1/chat/completions and the other OpenAI paths itself"
+            )
+        if url.query is not None or url.fragment is not None:
+            raise ValueError(f"{str(url)!r} has a query or fragment; give the server's base URL only (e.g. {base})")
+        return url
 
     @property
     def replica(self) -> ReplicaName:

@@ -6,8 +6,10 @@ GPU, no Redis), a fresh kvrouter per policy in front of fresh replicas, and Locu
 workload — 100 tenants, each with a ~9,000-token system prompt and tool schemas, short user turns — at a rate
 that keeps round-robin's replicas busy. The tenants' prefixes together are larger than one replica's KV cache:
 round-robin makes every replica hold every tenant and evict them; KV-aware routing gives each tenant a home.
-The demo is `kvrouter bench` with fixed settings; it prints progress, then the comparison table, and leaves
-the full report (report.md, plots) in `--out`.
+The demo is `kvrouter bench` with fixed settings; it prints progress, then the comparison table (with the load
+generator's lateness, and a warning when the machine was too busy to keep the schedule), and leaves the full
+report (report.md, plots) in `--out`. Like the bench it checks the `loadtest` extra first (exit 2 without it)
+and stops every child process on SIGTERM as on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import argparse
 import sys
 
 from kvrouter import bench
-from kvrouter.loadgen.fleet import FleetError
+from kvrouter.loadgen.fleet import FleetError, interrupts_stop_children
 from kvrouter.loadgen.report import console_table
 
 # Engine-time settings of the demo's workload; see the module docstring.
@@ -59,20 +61,24 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvrouter demo: {error}", file=sys.stderr)
         return 2
+    refusal = bench.loadtest_refusal("demo")
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     print(
         f"kvrouter demo: {len(plan.rows)} policies x {args.duration:.0f} s of load on {plan.replicas} simulated "
         f"replicas ({plan.profile}); the simulator runs at {plan.time_scale}x real time, figures are engine time.",
         flush=True,
     )
     try:
-        report = bench.execute(plan, say=lambda text: print(text, flush=True))
+        with interrupts_stop_children():
+            report = bench.execute(plan, say=lambda text: print(text, flush=True))
     except FleetError as error:
         print(f"kvrouter demo: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("kvrouter demo: interrupted", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt as error:
+        return bench.interrupted_exit("demo", error, plan.out)
     print()
     print(console_table(report))
-    print(f"\nfull report: {plan.out / 'report.md'} (plots beside it)")
+    print(f"\nfull report: {plan.out / 'report.md'}{bench.plots_note(report)}")
     return 0

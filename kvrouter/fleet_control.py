@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvrouter.admin import Readiness, setup_admin
+from kvrouter.admin import Readiness, replicas_routable, setup_admin
 from kvrouter.admin_shared import RedisAdminState
 from kvrouter.config import FleetConfig, ReplicaConfig
 from kvrouter.fleet_admin import AdminMetrics, FleetAdmin
@@ -152,7 +152,7 @@ def install_admin(
     readiness = setup_admin(
         app, admin, token=admin_token, reload_on_sighup=reload_on_sighup, sync_interval_s=sync_interval_s
     )
-    readiness.add("fleet", lambda: bool(admin.fleet.replicas) or "no replicas configured")
+    readiness.add("replicas", replicas_routable(replicas))
     if isinstance(events, ReadinessSource):
         source = events
         readiness.add("events", lambda: source.is_ready() or "the prefix index is still loading from the event source")

@@ -196,9 +196,7 @@ async def test_drain_rejects_unknown_replica_and_bad_wait(
 # -- reload -------------------------------------------------------------------------------------------------
 
 
-async def test_reload_adds_and_removes_replicas_live(
-    fake_replicas: ReplicaFactory, admin_router: AdminRouter
-) -> None:
+async def test_reload_adds_and_removes_replicas_live(fake_replicas: ReplicaFactory, admin_router: AdminRouter) -> None:
     r0, r1, r2 = await fake_replicas(3, chunks=3)
     hold = asyncio.Event()
     r1.behaviour.hold = hold
@@ -229,9 +227,7 @@ async def test_reload_adds_and_removes_replicas_live(
     assert "kvrouter_fleet_replicas 2.0" in metrics
 
 
-async def test_reload_keeps_drain_and_applies_weights(
-    fake_replicas: ReplicaFactory, admin_router: AdminRouter
-) -> None:
+async def test_reload_keeps_drain_and_applies_weights(fake_replicas: ReplicaFactory, admin_router: AdminRouter) -> None:
     r0, r1 = await fake_replicas(2)
     client, path = await admin_router([r0, r1])
     await client.post("/admin/replicas/r0/drain", headers=AUTH)
@@ -247,9 +243,7 @@ async def test_reload_keeps_drain_and_applies_weights(
     assert {(await stream_completion(client))[1] for _ in range(3)} == {"r1"}
 
 
-async def test_reload_with_a_bad_file_changes_nothing(
-    fake_replicas: ReplicaFactory, admin_router: AdminRouter
-) -> None:
+async def test_reload_with_a_bad_file_changes_nothing(fake_replicas: ReplicaFactory, admin_router: AdminRouter) -> None:
     r0, r1 = await fake_replicas(2)
     client, path = await admin_router([r0, r1])
     path.write_text("replicas: [{name: r0}]\n", encoding="utf-8")
@@ -299,7 +293,7 @@ async def test_ready_and_live(fake_replicas: ReplicaFactory, admin_router: Admin
     client, _ = await admin_router(replicas)
     ready = await client.get("/ready")
     assert ready.status == 200
-    assert (await ready.json())["checks"]["fleet"] == "ok"
+    assert (await ready.json())["checks"]["replicas"] == "ok"
 
     catching_up = {"done": False}
     client.app[READINESS_KEY].add("events", lambda: catching_up["done"] or "loading replica state from Redis")
@@ -312,6 +306,53 @@ async def test_ready_and_live(fake_replicas: ReplicaFactory, admin_router: Admin
     # Liveness does not depend on the replicas: /health is 503 when none is routable, /live stays 200.
     await replicas[0].stop()
     assert (await client.get("/live")).status == 200
+
+
+async def test_ready_answers_503_with_a_reason_while_no_replica_is_routable(
+    fake_replicas: ReplicaFactory, admin_router: AdminRouter
+) -> None:
+    # README: /ready means "replicas routable". It used to answer 200 with every replica drained or broken.
+    replicas = await fake_replicas(2)
+    client, _ = await admin_router(replicas, breaker_failures=1, breaker_backoff_s=60.0)
+    for name in ("r0", "r1"):
+        assert (await client.post(f"/admin/replicas/{name}/drain", headers=AUTH)).status == 200
+    drained = await client.get("/ready")
+    assert drained.status == 503
+    body = await drained.json()
+    assert body["ready"] is False and body["checks"]["replicas"] == "no replica is routable: all 2 are draining"
+    assert body["reason"] == "replicas: no replica is routable: all 2 are draining"
+    assert (await client.post("/admin/replicas/r1/undrain", headers=AUTH)).status == 200
+    assert (await client.get("/ready")).status == 200
+
+    # r0 drained, r1 dead with its breaker open: still nothing routable, and the reason says both.
+    await replicas[1].stop()
+    assert (await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).status == 503
+    mixed = await client.get("/ready")
+    assert mixed.status == 503
+    assert (await mixed.json())["checks"][
+        "replicas"
+    ] == "no replica is routable: 1 draining, 1 with the circuit breaker open"
+
+    # Every breaker open.
+    assert (await client.post("/admin/replicas/r0/undrain", headers=AUTH)).status == 200
+    await replicas[0].stop()
+    assert (await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).status == 503
+    broken = await client.get("/ready")
+    assert (await broken.json())["checks"]["replicas"] == "no replica is routable: the circuit breaker is open on all 2"
+    assert broken.status == 503
+    assert (await client.get("/live")).status == 200
+
+
+def test_ready_check_with_no_replica_configured() -> None:
+    from kvrouter.admin import replicas_routable
+
+    class Empty:
+        draining: set[Any] = set()
+
+        def __iter__(self) -> Iterator[Any]:
+            return iter(())
+
+    assert replicas_routable(Empty())() == "no replicas configured"
 
 
 # -- the pure plan --------------------------------------------------------------------------------------------
@@ -368,8 +409,16 @@ async def test_an_event_source_that_is_catching_up_holds_readiness(aiohttp_clien
     app = web.Application()
     source = CatchingUp()
     install_admin(
-        app, fleet=fleet, fleet_path=None, admin_token=None, metrics=metrics, registry=registry, load=load,
-        replicas=ReplicaSet(fleet, settings, load, metrics, lambda: 0.0), events=source, reload_on_sighup=False,
+        app,
+        fleet=fleet,
+        fleet_path=None,
+        admin_token=None,
+        metrics=metrics,
+        registry=registry,
+        load=load,
+        replicas=ReplicaSet(fleet, settings, load, metrics, lambda: 0.0),
+        events=source,
+        reload_on_sighup=False,
     )
     client = await aiohttp_client(app)
     waiting = await client.get("/ready")
@@ -396,10 +445,26 @@ def router_process(tmp_path: Path) -> Iterator[Callable[..., tuple[int, str]]]:
     def start(fleet_file: Path, *flags: str) -> tuple[int, str]:
         port = free_port()
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvrouter.cli", "--replicas", str(fleet_file), "--host", "127.0.0.1",
-             "--port", str(port), "--admin-token", TOKEN, "--health-interval", "30", "--policy", "round_robin",
-             *flags],
-            stdout=subprocess.DEVNULL, stderr=(tmp_path / "router.log").open("wb"),
+            [
+                sys.executable,
+                "-m",
+                "kvrouter.cli",
+                "--replicas",
+                str(fleet_file),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--admin-token",
+                TOKEN,
+                "--health-interval",
+                "30",
+                "--policy",
+                "round_robin",
+                *flags,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / "router.log").open("wb"),
         )
         started.append(process)
         return process.pid, f"http://127.0.0.1:{port}"

@@ -93,3 +93,59 @@ def test_report_files_and_ratios(tmp_path: Path) -> None:
     assert "| round_robin | r0 | 75.0% |" in markdown
     assert render_markdown(report) == markdown
     assert "kv_aware vs round_robin: TTFT p50 0.50×, p99 0.25×, hit 2.00×" in console_table(report)
+
+
+def _late_row(name: str, late_s: float) -> RowData:
+    records = [_record(float(i), 0.1, 0.5, "r0") for i in range(100)]
+    for record in records:
+        record["start_s"] = float(record["due_s"]) + late_s  # type: ignore[arg-type]
+    return RowData(name, records, scheduled=100)
+
+
+def test_lateness_is_on_screen_and_warns_past_the_threshold() -> None:
+    # On a loaded 2-core box the demo's verdict flipped with no word of it on screen (only in report.md).
+    def report_of(late_s: float) -> dict[str, object]:
+        rows = {
+            "round_robin": summarize(_late_row("round_robin", 0.002)),
+            "kv_aware": summarize(_late_row("kv_aware", late_s)),
+        }
+        return {"parameters": {"workload": "multi-tenant"}, "baseline": "round_robin", "results": rows}
+
+    calm = console_table(report_of(0.05))
+    assert (
+        "Load generator lateness (p99 of send time minus scheduled time, wall): round_robin 2 ms, kv_aware 50 ms"
+        in calm
+    )
+    assert "WARNING" not in calm
+    busy = console_table(report_of(0.25))
+    assert "WARNING: the load generator fell behind its schedule (p99 lateness 250 ms on kv_aware, over 100 ms)" in busy
+    assert "WARNING" in render_markdown(report_of(0.25)) and "WARNING" not in render_markdown(report_of(0.05))
+
+
+def test_report_md_links_the_plots_it_has() -> None:
+    report = {"parameters": {"workload": "multi-tenant"}, "baseline": "round_robin",
+              "results": {"round_robin": summarize(_row())}, "plots": ["ttft_cdf.png", "replica_load.png"]}  # fmt: skip
+    markdown = render_markdown(report)
+    assert "- [TTFT CDF](ttft_cdf.png)" in markdown
+    assert "(replica_load.png)" in markdown and "ttft_over_time.png" not in markdown
+    assert "Plots:" not in render_markdown({**report, "plots": []})
+
+
+def test_replica_load_rows_share_one_y_scale() -> None:
+    # Each row used to get its own y scale, so a replica queueing 40 requests looked like one queueing 2.
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvrouter.loadgen.plots import replica_load_figure
+
+    calm = RowData("kv_aware", [], 1, samples=[LoadSample(float(t), "r0", 1.0, float(t % 2), 0.1) for t in range(10)])
+    piled = RowData("round_robin", [], 1, samples=[LoadSample(float(t), "r0", 8.0, 4.0 * t, 0.9) for t in range(10)])
+    figure = replica_load_figure(plt, [calm, piled], 1.0)
+    try:
+        (calm_load, calm_share), (piled_load, piled_share) = figure.axes[0:2], figure.axes[2:4]
+        assert calm_load.get_ylim() == piled_load.get_ylim()
+        assert calm_load.get_ylim()[1] >= 44  # the tall row's peak, on both rows
+        assert calm_share.get_ylim() == piled_share.get_ylim() == (0.0, 1.0)
+    finally:
+        plt.close(figure)

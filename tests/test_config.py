@@ -55,6 +55,17 @@ def run_serve(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]
         ("- a\n- b\n", "expected a mapping with a 'replicas' list"),
         ("replicas: []\n", "field 'replicas'"),
         ('replicas: [{name: a, url: "not a url"}]\n', "field 'replicas.0.url'"),
+        (
+            'replicas: [{name: a, url: "http://h:1/v1"}]\n',
+            "field 'replicas.0.url': Value error, 'http://h:1/v1' has '/v1'",
+        ),
+        ('replicas: [{name: a, url: "http://h:1/v1/"}]\n', "drop it (e.g. http://h:1)"),
+        ('replicas: [{name: a, url: "http://h:1/v1/chat/completions"}]\n', "appends /v1/chat/completions"),
+        (
+            'replicas: [{name: a, url: "http://h:1/?api=1"}]\n',
+            "field 'replicas.0.url': Value error, 'http://h:1/?api=1' has a query",
+        ),
+        ('replicas: [{name: a, url: "http://h:1#top"}]\n', "has a query or fragment"),
         ('replicas: [{name: a, url: "http://h:1", weight: -1}]\n', "field 'replicas.0.weight'"),
         ('replicas: [{name: a, url: "http://h:1", colour: red}]\n', "field 'replicas.0.colour'"),
         ('replicas: [{name: a, url: "http://h:1"}, {name: a, url: "http://h:2"}]\n', "appears twice"),
@@ -113,3 +124,9 @@ def test_unavailable_policy_is_a_configuration_error(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="policy"):
         build_policy("fastest", Settings())
+
+
+def test_a_path_prefix_without_v1_is_kept(tmp_path: Path) -> None:
+    # A gateway prefix is a legitimate base URL; only /v1 (which the router appends itself) is refused.
+    path = write(tmp_path, 'replicas: [{name: a, url: "http://127.0.0.1:8001/pool-a/"}]\n')
+    assert load_fleet(path).replicas[0].base_url == "http://127.0.0.1:8001/pool-a"

@@ -5,23 +5,33 @@ SIGKILL after a grace period). Readiness is polled over HTTP; a child that exits
 the tail of its log, so a broken router or simulator is reported as such instead of as a hung benchmark.
 Locust always runs as a subprocess: it monkey-patches the interpreter with gevent, which must never happen to
 the process that orchestrates (or to a router).
+
+Children run `python -P`: the working directory is not put on their sys.path, so a bench started from a source
+checkout runs the installed package (with its compiled tables), not the tree it happens to stand in.
+`missing_loadtest_modules` imports Locust and matplotlib in such a child before anything starts (never here:
+gevent). `interrupts_stop_children` turns SIGTERM into the same unwinding as Ctrl-C, so the `finally` that owns
+each child stops it by pid either way; `stop_all` finishes stopping every child even when a signal lands
+during the cleanup.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,8 +48,71 @@ RUN_COUNTERS = (
 )
 
 
+LOADTEST_MODULES = ("locust", "matplotlib")
+LOADTEST_INSTALL = "pip install 'kvrouter[loadtest]'"
+
+
 class FleetError(RuntimeError):
     """A child process failed to start or died; the message carries its log's tail."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) received: unwinds like Ctrl-C so every child is stopped by the code that started it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def python_argv(*args: str) -> list[str]:
+    """This interpreter, without the working directory on sys.path (-P): children import the installed kvrouter."""
+    return [sys.executable, "-P", *args]
+
+
+_IMPORT_PROBE = """
+import importlib, json, sys
+missing = []
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception as error:
+        missing.append(name)
+print(json.dumps(missing))
+"""
+
+
+def missing_loadtest_modules(modules: Sequence[str] = LOADTEST_MODULES) -> list[str]:
+    """The modules of the `loadtest` extra that do not import in a child like the bench's (checked in a child:
+    importing Locust here would monkey-patch this process with gevent)."""
+    probe = subprocess.run(
+        python_argv("-c", _IMPORT_PROBE, *modules), capture_output=True, text=True, stdin=subprocess.DEVNULL
+    )
+    try:
+        missing = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return list(modules)  # the probe itself failed: the environment cannot run the bench either
+    return [str(name) for name in missing]
+
+
+@contextlib.contextmanager
+def interrupts_stop_children() -> Iterator[None]:
+    """Within this block SIGTERM and SIGINT raise `Terminated` once; further signals are ignored so that the
+    cleanup they start (stopping children, a few seconds each at most) runs to its end."""
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated(signum)
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @dataclass(slots=True)
@@ -71,6 +144,29 @@ class Child:
             self.process.wait(timeout=5)
 
 
+def stop_all(children: Sequence[Child]) -> None:
+    """Stop every child, last started first; a signal arriving meanwhile is re-raised after the last one."""
+    interrupted: KeyboardInterrupt | None = None
+    for child in reversed(children):
+        try:
+            child.stop()
+        except KeyboardInterrupt as error:
+            interrupted = error
+            child.stop()
+    if interrupted is not None:
+        raise interrupted
+
+
+@contextlib.contextmanager
+def stopped_on_failure(child: Child) -> Iterator[Child]:
+    """Stop `child` if the block fails or is interrupted (a readiness wait), so no caller is left holding none."""
+    try:
+        yield child
+    except BaseException:
+        stop_all([child])
+        raise
+
+
 def start_child(name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> Child:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as handle:
@@ -85,7 +181,7 @@ def start_child(name: str, argv: Sequence[str], log: Path, env: Mapping[str, str
 
 
 def kvrouter_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvrouter.cli", *args]
+    return python_argv("-m", "kvrouter.cli", *args)
 
 
 def free_port_range(count: int, start: int = 20000, end: int = 60000) -> int:
@@ -165,22 +261,21 @@ def start_sim(
     argv += list(extra)
     with contextlib.suppress(FileNotFoundError):
         replicas_file.unlink()
-    child = start_child("simulator", argv, log)
-    deadline = time.monotonic() + 120
-    while not replicas_file.is_file():
-        if not child.alive():
-            raise FleetError(f"simulator exited with code {child.process.returncode}:\n{child.log_tail()}")
-        if time.monotonic() > deadline:
-            child.stop()
-            raise FleetError(f"simulator wrote no {replicas_file} within 120 s:\n{child.log_tail()}")
-        time.sleep(0.2)
-    time.sleep(0.2)  # the file is written whole, but give a slow disk a moment
-    fleet = yaml.safe_load(replicas_file.read_text(encoding="utf-8"))
-    urls = {str(r["name"]): str(r["url"]).rstrip("/") for r in fleet["replicas"]}
-    endpoints = {str(r["name"]): str(r["kv_events"]["endpoint"]) for r in fleet["replicas"] if r.get("kv_events")}
-    for url in urls.values():
-        wait_ready(child, url + "/health")
-    return SimFleet(child, replicas_file, urls, endpoints, int(fleet.get("block_size") or 16))
+    with stopped_on_failure(start_child("simulator", argv, log)) as child:
+        deadline = time.monotonic() + 120
+        while not replicas_file.is_file():
+            if not child.alive():
+                raise FleetError(f"simulator exited with code {child.process.returncode}:\n{child.log_tail()}")
+            if time.monotonic() > deadline:
+                raise FleetError(f"simulator wrote no {replicas_file} within 120 s:\n{child.log_tail()}")
+            time.sleep(0.2)
+        time.sleep(0.2)  # the file is written whole, but give a slow disk a moment
+        fleet = yaml.safe_load(replicas_file.read_text(encoding="utf-8"))
+        urls = {str(r["name"]): str(r["url"]).rstrip("/") for r in fleet["replicas"]}
+        endpoints = {str(r["name"]): str(r["kv_events"]["endpoint"]) for r in fleet["replicas"] if r.get("kv_events")}
+        for url in urls.values():
+            wait_ready(child, url + "/health")
+        return SimFleet(child, replicas_file, urls, endpoints, int(fleet.get("block_size") or 16))
 
 
 def start_kvrouter(replicas_file: Path, port: int, policy: str, log: Path, extra: Sequence[str] = ()) -> Child:
@@ -188,9 +283,9 @@ def start_kvrouter(replicas_file: Path, port: int, policy: str, log: Path, extra
         "--replicas", str(replicas_file), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
         "--log-level", "warning", *extra,
     )  # fmt: skip
-    child = start_child(f"kvrouter ({policy})", argv, log)
-    wait_ready(child, f"http://127.0.0.1:{port}/health", timeout_s=90)
-    return child
+    with stopped_on_failure(start_child(f"kvrouter ({policy})", argv, log)) as child:
+        wait_ready(child, f"http://127.0.0.1:{port}/health", timeout_s=90)
+        return child
 
 
 def render_router_cmd(template: str, port: int, sim: SimFleet) -> list[str]:
@@ -211,10 +306,10 @@ def render_router_cmd(template: str, port: int, sim: SimFleet) -> list[str]:
 
 
 def start_router_cmd(name: str, template: str, port: int, sim: SimFleet, log: Path) -> Child:
-    child = start_child(name, render_router_cmd(template, port, sim), log)
-    # Other routers differ in health paths; any HTTP answer from /v1/models below 500 means it is serving.
-    wait_ready(child, f"http://127.0.0.1:{port}/v1/models", timeout_s=120, accept_below=500)
-    return child
+    with stopped_on_failure(start_child(name, render_router_cmd(template, port, sim), log)) as child:
+        # Other routers differ in health paths; any HTTP answer from /v1/models below 500 means it is serving.
+        wait_ready(child, f"http://127.0.0.1:{port}/v1/models", timeout_s=120, accept_below=500)
+        return child
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -244,7 +339,7 @@ def locust_argv(
     flags: Sequence[str],
 ) -> list[str]:
     return [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", host,
+        *python_argv("-m", "locust"), "-f", str(LOCUSTFILE), "--headless", "--host", host,
         "-u", str(users), "-r", str(users), "--run-time", f"{max(1, round(run_time_s))}s", "--stop-timeout", "5",
         "--only-summary", "--csv", str(csv_prefix), "--kv-records", str(records), *flags,
     ]  # fmt: skip

@@ -2,7 +2,8 @@
 
 matplotlib is imported inside `write_plots` with the Agg backend, so the bench needs no display and the rest of
 kvrouter never pays for matplotlib. Times are engine seconds (see `report.py`). `save_figure` is the common
-finish of a one-axes plot, shared with the replay report.
+finish of a one-axes plot, shared with the replay report. In replica_load.png every row shares one y scale
+per column, so a policy that piles requests on one replica looks taller than one that spreads them.
 """
 
 from __future__ import annotations
@@ -92,7 +93,17 @@ def _window_p90(points: Sequence[tuple[float, float]], windows: int = 30) -> lis
 
 
 def _replica_load(plt: Any, path: Path, rows: Sequence[RowData], scale: float) -> Path:
-    figure, grid = plt.subplots(len(rows), 2, figsize=(11, 2.6 * len(rows) + 0.5), squeeze=False)
+    figure = replica_load_figure(plt, rows, scale)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def replica_load_figure(plt: Any, rows: Sequence[RowData], scale: float) -> Any:
+    """One row of axes per bench row: requests running + waiting per replica over time, and request shares."""
+    # sharey="col": rows compared at a glance need one scale (matplotlib's default gives each row its own).
+    figure, grid = plt.subplots(len(rows), 2, figsize=(11, 2.6 * len(rows) + 0.5), squeeze=False, sharey="col")
     for index, row in enumerate(rows):
         over_time, shares = grid[index]
         replicas = sorted({s.replica for s in row.samples})
@@ -118,7 +129,4 @@ def _replica_load(plt: Any, path: Path, rows: Sequence[RowData], scale: float) -
         shares.set_title(f"{row.name}: share of requests", fontsize=9)
         shares.set_ylim(0, 1)
         shares.tick_params(axis="x", labelsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return figure

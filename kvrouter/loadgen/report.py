@@ -10,7 +10,9 @@ Definitions: `hit_rate` = prefix-cache hits ÷ queries summed over replicas (tok
 `goodput_per_s` = requests per second that finished without error and with TTFT ≤ the SLO; a replica's
 `busy` = share of samples with a request running or waiting; `queue_mean` = mean waiting requests;
 `load_generator_lag_p99_wall_s` = how late Locust sent requests against the schedule (a loaded client machine
-shows here rather than as a silently lower rate).
+shows here rather than as a silently lower rate). Past `LATENESS_WARN_S` the console table and report.md say
+so in a warning: the rows were then not sent the same load, and the verdict reflects the machine too.
+report.md links the plots listed in the report's "plots" (names of the PNGs written beside it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+LATENESS_WARN_S = 0.1
+"""p99 lateness of the load generator (wall seconds) above which a comparison is flagged as machine-bound."""
+
+PLOT_TITLES = {
+    "ttft_cdf.png": "TTFT CDF",
+    "ttft_over_time.png": "TTFT over time",
+    "replica_load.png": "Requests per replica over time, and shares",
+}
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
@@ -206,8 +217,14 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             )
     for name, reason in (report.get("failed") or {}).items():
         lines += ["", f"{name}: did not run ({reason.splitlines()[0] if reason else 'no reason'})."]
-    lags = ", ".join(f"{name} {_fmt(r.get('load_generator_lag_p99_wall_s'), 2)} s" for name, r in rows.items())
-    lines += ["", f"Load generator lateness (p99 of send time minus scheduled time, wall seconds): {lags}."]
+    lines += ["", lateness_line(rows) + "."]
+    warning = lateness_warning(rows)
+    if warning:
+        lines += ["", f"**{warning}**"]
+    plots = [name for name in report.get("plots") or () if name in PLOT_TITLES]
+    if plots:
+        lines += ["", "Plots:", ""]
+        lines += [f"- [{PLOT_TITLES[name]}]({name})" for name in plots]
     lines += ["", "Parameters:", ""]
     lines += [f"- {key}: `{value}`" for key, value in params.items()]
     lines += [
@@ -223,6 +240,32 @@ def write_report(out: Path, report: Mapping[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
+
+
+def lateness_line(rows: Mapping[str, Mapping[str, Any]]) -> str:
+    lags = ", ".join(f"{name} {_ms(r.get('load_generator_lag_p99_wall_s'))}" for name, r in rows.items())
+    return f"Load generator lateness (p99 of send time minus scheduled time, wall): {lags}"
+
+
+def lateness_warning(rows: Mapping[str, Mapping[str, Any]], threshold_s: float = LATENESS_WARN_S) -> str | None:
+    """A warning when the load generator fell behind its schedule on any row; None when it kept up."""
+    late = {
+        name: float(r["load_generator_lag_p99_wall_s"])
+        for name, r in rows.items()
+        if r.get("load_generator_lag_p99_wall_s") is not None and r["load_generator_lag_p99_wall_s"] > threshold_s
+    }
+    if not late:
+        return None
+    worst = max(late, key=lambda name: late[name])
+    return (
+        f"WARNING: the load generator fell behind its schedule (p99 lateness {_ms(late[worst])} on {worst}, over "
+        f"{_ms(threshold_s)}): this machine was too busy to send the same load to every row, so the comparison "
+        "measures the machine as well as the routing. Rerun on a quieter machine (fewer other processes)."
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{1000 * value:.0f} ms"
 
 
 def console_table(report: Mapping[str, Any]) -> str:
@@ -247,4 +290,9 @@ def console_table(report: Mapping[str, Any]) -> str:
                     f"{name} vs {baseline}: TTFT p50 {_ratio(r['ttft_p50'], base['ttft_p50'])}, "
                     f"p99 {_ratio(r['ttft_p99'], base['ttft_p99'])}, hit {_ratio(r['hit_rate'], base['hit_rate'])}"
                 )
+    if rows:
+        lines.append(lateness_line(rows))
+        warning = lateness_warning(rows)
+        if warning:
+            lines.append(warning)
     return "\n".join(lines)

@@ -1,9 +1,10 @@
 """`kvrouter sim`: serve several simulated vLLM replicas from one process and write their replicas.yaml.
 
-Replica i listens for HTTP on `--base-port + i`; its KV-event PUB socket binds `tcp://*:(kv base + 2i)` as
-vLLM's does, and its replay ROUTER socket `tcp://*:(kv base + 2i + 1)`, where the kv base defaults to
-`--base-port + 100`. `--write-replicas FILE` writes a replicas.yaml that `kvrouter --replicas FILE` accepts as
-is (URLs, event endpoints as tcp://127.0.0.1:PORT with bind false, block size, tokenizer directory). Each replica
+Replica i listens for HTTP on `--host`:`--base-port + i`; its KV-event PUB socket binds `tcp://HOST:(kv base +
+2i)` and its replay ROUTER socket `tcp://HOST:(kv base + 2i + 1)` on the same `--host` (a wildcard host such as
+0.0.0.0 binds `tcp://*:PORT`, as vLLM's default does), where the kv base defaults to `--base-port + 100`.
+`--write-replicas FILE` writes a replicas.yaml that `kvrouter --replicas FILE` accepts as is (URLs, event
+endpoints with bind false, block size, tokenizer directory; a wildcard host is reached as 127.0.0.1). Each replica
 hashes blocks with its own seed, as separate vLLM processes do, so the router cannot rely on engine hashes.
 Without `--tokenizer` the project's tiny tokenizer is built (once) and used.
 """
@@ -80,6 +81,24 @@ def free_port_run(count: int, host: str = "127.0.0.1", start: int = 20000, stop:
     raise OSError(f"no run of {count} free ports found")
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "", "*")
+
+
+def reach_host(host: str) -> str:
+    """How a client on this machine reaches a server bound on `host` (URL form: IPv6 in brackets)."""
+    if host in WILDCARD_HOSTS:
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def event_bind_host(host: str) -> str:
+    """The host of the event sockets' bind endpoints: the HTTP servers' `--host`, so that `--host 127.0.0.1`
+    exposes nothing beyond this machine; a wildcard binds every interface (`tcp://*`)."""
+    if host in WILDCARD_HOSTS:
+        return "*"
+    return f"[{host}]" if ":" in host else host
+
+
 def layouts(count: int, base_port: int, kv_base_port: int | None) -> list[Layout]:
     kv_base = kv_base_port if kv_base_port is not None else base_port + 100
     return [Layout(f"sim-{i}", base_port + i, kv_base + 2 * i, kv_base + 2 * i + 1) for i in range(count)]
@@ -96,7 +115,7 @@ def fleet_document(
     lora_adapters: tuple[str, ...] = (),
 ) -> dict[str, object]:
     """The replicas.yaml content for these replicas (what `kvrouter.config.load_fleet` reads)."""
-    reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    reach = reach_host(host)
     extra: dict[str, object] = {"lora_adapters": list(lora_adapters)} if lora_adapters else {}
     return {
         "model": model,
@@ -108,8 +127,8 @@ def fleet_document(
                 "name": r.name,
                 "url": f"http://{reach}:{r.http_port}",
                 "kv_events": {
-                    "endpoint": f"tcp://127.0.0.1:{r.pub_port}",
-                    "replay_endpoint": f"tcp://127.0.0.1:{r.replay_port}",
+                    "endpoint": f"tcp://{reach}:{r.pub_port}",
+                    "replay_endpoint": f"tcp://{reach}:{r.replay_port}",
                     "topic": topic,
                     "bind": False,
                 },
@@ -165,6 +184,9 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
     adapters = tuple(name.strip() for name in args.lora_adapters.split(",") if name.strip())
     context = zmq.asyncio.Context()
     context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
+    bind_host = event_bind_host(args.host)
+    if bind_host.startswith("["):
+        context.setsockopt(zmq.IPV6, 1)
     runners: list[web.AppRunner] = []
     plan = layouts(args.replicas, args.base_port, args.kv_base_port)
     try:
@@ -173,8 +195,8 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
             engine = build_engine(profile, block_size=block_size, num_gpu_blocks=args.num_gpu_blocks, hash_seed=seed)
             publisher = KvEventPublisher(
                 context,
-                endpoint=f"tcp://*:{layout.pub_port}",
-                replay_endpoint=f"tcp://*:{layout.replay_port}",
+                endpoint=f"tcp://{bind_host}:{layout.pub_port}",
+                replay_endpoint=f"tcp://{bind_host}:{layout.replay_port}",
                 topic=args.topic,
             )
             settings = ReplicaSettings(
@@ -192,7 +214,7 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
             await runner.setup()
             runners.append(runner)
             await web.TCPSite(runner, args.host, layout.http_port).start()
-            log.info("%s on http://%s:%d, events on :%d", layout.name, args.host, layout.http_port, layout.pub_port)
+            log.info("%s on http://%s:%d, events on %s", layout.name, args.host, layout.http_port, publisher.endpoint)
         if args.write_replicas is not None:
             document = fleet_document(
                 plan, host=args.host, block_size=block_size, tokenizer=Path(tokenizer_dir), model=model_name,
