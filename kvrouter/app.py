@@ -80,9 +80,7 @@ def build_prefix_parts(
     if not native_block_keys():
         log.warning("block keys are hashed from Python (kvrouter._blockkeys was not built): ~5x slower, same keys")
     metrics.events.index_bytes.set_function(index.table_bytes)
-    metrics.events.read_index_anomalies(
-        lambda: {"hash_reuse": index.hash_reuses, "orphaned_bit": index.orphaned_bits}
-    )
+    metrics.events.read_index_anomalies(lambda: {"hash_reuse": index.hash_reuses, "orphaned_bit": index.orphaned_bits})
     parts = PrefixParts(index=index)
     if fleet.tokenizer is None:
         log.warning("replicas.yaml names no tokenizer: requests are routed on load only, without prefix matching")
@@ -100,7 +98,14 @@ def build_prefix_parts(
 
         parts.contexts.append(close_tokenizer)
     if settings.redis_url is None:
-        events = EmbeddedEvents(fleet, index, metrics.events, rcv_hwm=settings.events_rcv_hwm, clock=clock)
+        events = EmbeddedEvents(
+            fleet,
+            index,
+            metrics.events,
+            rcv_hwm=settings.events_rcv_hwm,
+            silent_after_s=settings.events_silent_after_s,
+            clock=clock,
+        )
         parts.events = events
         parts.contexts.append(events.context)
     else:

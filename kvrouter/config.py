@@ -274,6 +274,15 @@ class Settings(BaseSettings):
             "beyond it the engine's publisher holds them, then drops them: a counted seq gap, replayed or cleared."
         ),
     )
+    events_silent_after_s: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "A replica sent requests that has published no KV event this long after the router began following it "
+            "is logged as silent (wrong or unreachable kv_events endpoint). kvrouter_kv_event_age_seconds and "
+            "/health show every replica's event age."
+        ),
+    )
 
     # The kv_aware policy's estimate of each replica's time to first token (kvrouter/policies/kv_aware.py).
     kv_prefill_tokens_per_s: float = Field(default=48_000.0, gt=0, description="A replica's prefill tokens/s.")

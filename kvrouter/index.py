@@ -283,6 +283,11 @@ class PrefixIndex:
             len(s.blocks) for s in self._sources.values() if s.replica == replica and s.rank != _PROVISIONAL_RANK
         )
 
+    def provisional_marks(self, replica: ReplicaName) -> int:
+        """Keys marked provisional on `replica` by routed requests, not yet expired (a recent-traffic signal)."""
+        source = self._sources.get((replica, _PROVISIONAL_RANK))
+        return 0 if source is None else len(source.provisional_until)
+
     def block_counts(self) -> dict[ReplicaName, int]:
         counts: dict[ReplicaName, int] = {}
         for source in self._sources.values():

@@ -6,8 +6,15 @@ blocks per replica are read from the index when scraped (`held_blocks`). It foll
 running (the admin API's reload calls `follow` / `unfollow`), and `context` is the `cleanup_ctx` that starts and
 stops it with the application.
 
-Knobs: `replay_timeout_s` and `rcv_hwm` of each source (`zmq_source`); clocks are parameters (`wall_clock` is
-compared with the engines' batch timestamps for the lag gauge).
+It also watches for a replica that never speaks: an engine publishes only when its blocks change, so silence
+alone means nothing, but a replica that has been sent requests (their blocks are provisional marks in the index)
+and has not published a single batch `silent_after_s` after the router began following it has a wrong or
+unreachable `kv_events` endpoint — routing there runs on provisional guesses only. That is logged once as a
+warning; the age of every replica's last batch is exported (`kvrouter_kv_event_age_seconds`) and shown in /health
+(`describe`).
+
+Knobs: `replay_timeout_s` and `rcv_hwm` of each source (`zmq_source`); `silent_after_s`; clocks are parameters
+(`wall_clock` is compared with the engines' batch timestamps for the lag gauge).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class EmbeddedEvents:
         *,
         replay_timeout_s: float = 1.0,
         rcv_hwm: int = 1000,
+        silent_after_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -49,6 +57,7 @@ class EmbeddedEvents:
         self.metrics = metrics
         self.replay_timeout_s = replay_timeout_s
         self.rcv_hwm = rcv_hwm
+        self.silent_after_s = silent_after_s
         self.clock = clock
         self.wall_clock = wall_clock
         self.ingest = IndexIngest(
@@ -60,10 +69,16 @@ class EmbeddedEvents:
         self.sources: dict[ReplicaName, ZmqEventSource] = {}
         self._tasks: dict[ReplicaName, asyncio.Task[None]] = {}
         self._context: zmq.asyncio.Context | None = None
+        self._followed_since: dict[ReplicaName, float] = {}
+        self._last_batch: dict[ReplicaName, float] = {}
+        self._warned_silent: set[ReplicaName] = set()
+        self._watch: asyncio.Task[None] | None = None
         metrics.read_index_blocks(self.held_blocks)
+        metrics.read_event_ages(self.event_ages)
 
     def apply(self, batch: EventBatch) -> None:
         """The sink of every source: index, then the lag gauge."""
+        self._last_batch[ReplicaName(batch.replica)] = self.clock()
         self.ingest.apply(batch)
         self.metrics.ingest_lag.labels(batch.replica).set(max(0.0, self.wall_clock() - batch.ts))
 
@@ -71,6 +86,54 @@ class EmbeddedEvents:
         """Blocks the index holds per followed replica (a scan of the index: at scrape time, not per batch)."""
         held = self.index.held_counts()
         return {name: held.get(name, 0) for name in self.sources}
+
+    def event_ages(self) -> dict[str, float]:
+        """Seconds since each followed replica's last batch (since following began, when none has arrived)."""
+        now = self.clock()
+        return {
+            name: round(now - self._last_batch.get(name, self._followed_since.get(name, now)), 3)
+            for name in self.sources
+        }
+
+    def describe(self, replica: ReplicaName) -> dict[str, object] | None:
+        """The replica's event stream for /health; None when it names no publisher."""
+        source = self.sources.get(replica)
+        if source is None:
+            return None
+        last = self._last_batch.get(replica)
+        return {
+            "endpoint": source.config.endpoint,
+            "last_event_age_s": None if last is None else round(self.clock() - last, 3),
+            "silent": replica in self._warned_silent,
+        }
+
+    def check_silent(self) -> list[ReplicaName]:
+        """Warn (once per follow) about replicas sent requests that have never published; returns them."""
+        now = self.clock()
+        found = []
+        for name, since in self._followed_since.items():
+            if name in self._last_batch or name in self._warned_silent or now - since < self.silent_after_s:
+                continue
+            if self.index.provisional_marks(name) == 0:
+                continue  # nothing sent there lately: an idle engine publishes nothing, and that is fine
+            self._warned_silent.add(name)
+            found.append(name)
+            source = self.sources.get(name)
+            log.warning(
+                "replica %s has been sent requests but published no KV event in %.0fs since the router began "
+                "following %s: check its kv_events endpoint and vLLM's --kv-events-config; until events arrive it "
+                "is routed on provisional guesses only",
+                name,
+                now - since,
+                source.config.endpoint if source is not None else "its publisher",
+            )
+        return found
+
+    async def _watch_silence(self) -> None:
+        period = max(1.0, min(10.0, self.silent_after_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            self.check_silent()
 
     async def follow(self, fleet: FleetConfig, replica: ReplicaConfig) -> None:
         name = replica.replica
@@ -90,12 +153,16 @@ class EmbeddedEvents:
             clock=self.clock,
         )
         self.sources[name] = source
+        self._followed_since[name] = self.clock()
+        self._last_batch.pop(name, None)
+        self._warned_silent.discard(name)
         self._tasks[name] = asyncio.create_task(source.run(), name=f"kvrouter-kv-events-{name}")
         log.info("following KV events of %s at %s", name, replica.kv_events.endpoint)
 
     async def unfollow(self, replica: ReplicaName, *, forget: bool = True) -> None:
         task = self._tasks.pop(replica, None)
         self.sources.pop(replica, None)
+        self._followed_since.pop(replica, None)
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -110,8 +177,14 @@ class EmbeddedEvents:
         self._context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
         for replica in self.fleet.replicas:
             await self.follow(self.fleet, replica)
+        self._watch = asyncio.create_task(self._watch_silence(), name="kvrouter-kv-events-silence")
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
         for name in list(self._tasks):
             await self.unfollow(name, forget=False)
         if self._context is not None:

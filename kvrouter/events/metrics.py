@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, Metric
 
-HeldBlocks = Callable[[], Mapping[str, int]]
-"""-> blocks held per followed replica (0 included), read at scrape time."""
+HeldBlocks = Callable[[], Mapping[str, float]]
+"""-> a value per followed replica (blocks held, 0 included; seconds since the last event), read at scrape time."""
 AnomalyCounts = Callable[[], Mapping[str, int]]
 """-> running count per anomaly kind, read at scrape time."""
 
@@ -35,6 +35,14 @@ class EventMetrics:
         )
         self.index_blocks = _HeldGauge(
             "kvrouter_index_blocks", "KV blocks the prefix index holds per replica.", ["replica"], registry=registry
+        )
+        self.event_age = _HeldGauge(
+            "kvrouter_kv_event_age_seconds",
+            "Seconds since the replica's last KV-event batch arrived (since the router began following it, when "
+            "none has yet). An engine publishes only when blocks change, so a long age on a replica that is being "
+            "sent requests means its kv_events endpoint is wrong or unreachable. Embedded events only.",
+            ["replica"],
+            registry=registry,
         )
         self.ingest_lag = Gauge(
             "kvrouter_kv_event_lag_seconds",
@@ -69,11 +77,14 @@ class EventMetrics:
         """Report `index_blocks` from `held` at every scrape (replicas it no longer names are dropped)."""
         self.index_blocks.held = held
 
+    def read_event_ages(self, ages: HeldBlocks) -> None:
+        self.event_age.held = ages
+
     def read_index_anomalies(self, counts: AnomalyCounts) -> None:
         self.index_anomalies.read = counts
 
     def forget(self, replica: str) -> None:
-        for gauge in (self.index_blocks, self.ingest_lag):
+        for gauge in (self.index_blocks, self.ingest_lag, self.event_age):
             with contextlib.suppress(KeyError):
                 gauge.remove(replica)
 
