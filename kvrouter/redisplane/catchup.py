@@ -20,7 +20,7 @@ from typing import cast
 from redis.asyncio import Redis
 
 from kvrouter.redisplane.entries import DECODE_ERRORS, Entry, EntryCodec, Op
-from kvrouter.redisplane.layout import Position, ReplicaKeys
+from kvrouter.redisplane.layout import MAX_EPOCH, Position, ReplicaKeys
 
 
 class CatchupError(Exception):
@@ -73,9 +73,11 @@ async def read_replica(
     skip_bad_entries: bool = False,
 ) -> Catchup | None:
     """The replica's state as Redis vouches for it, or None when Redis holds nothing for it."""
+    mismatched = False
     for _ in range(attempts):
         if not await redis.exists(keys.meta):
             return None
+        meta_epoch = int(cast(bytes, await redis.hget(keys.meta, "epoch") or b"-1"))  # ValueError: bad meta
         blob = await redis.get(keys.snapshot)
         if blob is None:
             continue
@@ -83,6 +85,10 @@ async def read_replica(
             snapshot = codec.snapshot(cast(bytes, blob))
         except DECODE_ERRORS as error:
             raise CorruptReplica(f"{keys.replica}: the snapshot does not decode: {error}", "snapshot") from None
+        if snapshot.epoch != meta_epoch or snapshot.epoch >= MAX_EPOCH:
+            # The scripts write both at once: a mismatch is a new epoch between the two reads, or garbage.
+            mismatched = True
+            continue
         position = Position(snapshot.epoch, snapshot.n)
         skipped = 0
         ops: list[Op] = list(snapshot.blocks)
@@ -127,4 +133,6 @@ async def read_replica(
                 f"{snapshot.epoch}-{snapshot.n}",
                 skipped,
             )
+    if mismatched:
+        raise CorruptReplica(f"{keys.replica}: the snapshot's epoch does not match the meta hash", "snapshot")
     raise CatchupError(f"{keys.replica}: snapshot and stream did not line up in {attempts} attempts")

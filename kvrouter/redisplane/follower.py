@@ -43,15 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from redis.asyncio import Redis
-from redis.exceptions import (
-    AuthenticationError,
-    AuthorizationError,
-    ConnectionError,
-    NoPermissionError,
-    RedisError,
-    ResponseError,
-    TimeoutError,
-)
+from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvrouter.config import FleetConfig, ReplicaConfig
 from kvrouter.redisplane.catchup import ENTRY_ERRORS, Catchup, CatchupError, decode_entry, read_replica
@@ -72,7 +66,7 @@ class _ApplyFailed(Exception):
     """The index refused an op: the replica's blocks there are uncertain, so it reloads."""
 
 
-SESSION_ERRORS = (ConnectionError, TimeoutError, OSError)
+SESSION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 """Redis itself is away (or refuses us): the session ends and is retried. Anything else is one replica's data."""
 
 
