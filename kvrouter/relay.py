@@ -48,6 +48,7 @@ from kvrouter.events.metrics import EventMetrics
 from kvrouter.events.wire import EventBatch
 from kvrouter.events.zmq_source import ZmqEventSource
 from kvrouter.redisplane.catchup import CatchupError
+from kvrouter.redisplane.clients import masked_url
 from kvrouter.redisplane.follower import SESSION_ERRORS, connect_redis
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, replica_keys
 from kvrouter.redisplane.state import RelayBook
@@ -297,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
     redis = connect_redis(args.redis_url, socket_timeout_s=10.0)
+    log.info("relay: writing to Redis at %s", masked_url(args.redis_url))  # never the password
     relay = Relay(
         redis,
         fleet,

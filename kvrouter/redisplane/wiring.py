@@ -14,6 +14,7 @@ Metrics: ``kvrouter_redis_events_up`` (1 while Redis answers and the streams are
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -22,8 +23,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvrouter.config import FleetConfig
-from kvrouter.redisplane.clients import is_cluster
+from kvrouter.redisplane.clients import is_cluster, masked_url
 from kvrouter.redisplane.follower import BlockSink, FollowerHealth, FollowerKnobs, RedisFollower, connect_redis
+
+
+log = logging.getLogger(__name__)
 
 
 class FollowerCollector(Collector):
@@ -114,4 +118,5 @@ def build_follower(
         knobs=FollowerKnobs(streams_per_read=1 if is_cluster(redis_url) else None),
     )
     registry.register(FollowerCollector(follower))
+    log.info("relay mode: following KV events in Redis at %s", masked_url(redis_url))  # never the password
     return follower
