@@ -26,7 +26,6 @@ from kvrouter.config import FleetConfig
 from kvrouter.redisplane.clients import is_cluster, masked_url
 from kvrouter.redisplane.follower import BlockSink, FollowerHealth, FollowerKnobs, RedisFollower, connect_redis
 
-
 log = logging.getLogger(__name__)
 
 
