@@ -464,7 +464,9 @@ class RedisFollower:
             if not followed.refused:
                 log.error(
                     "replica %s: Redis holds keys made with hash seed %d, this router uses %d; ignoring them",
-                    followed.keys.replica, catchup.hash_seed, self.hash_seed,
+                    followed.keys.replica,
+                    catchup.hash_seed,
+                    self.hash_seed,
                 )
             followed.refused = True
             return

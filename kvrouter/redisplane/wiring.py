@@ -36,22 +36,26 @@ class FollowerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         health = self.follower.health()
         yield GaugeMetricFamily(
-            "kvrouter_redis_events_up", "1 while Redis answers and the event streams are followed.",
+            "kvrouter_redis_events_up",
+            "1 while Redis answers and the event streams are followed.",
             value=1.0 if health.connected else 0.0,
         )
         yield GaugeMetricFamily(
-            "kvrouter_redis_events_loaded", "1 once every replica's state was loaded from Redis (index complete).",
+            "kvrouter_redis_events_loaded",
+            "1 once every replica's state was loaded from Redis (index complete).",
             value=1.0 if health.loaded else 0.0,
         )
         yield CounterMetricFamily(
             "kvrouter_redis_events_failures", "Follower sessions ended by a Redis error.", value=health.failures
         )
         vouched = GaugeMetricFamily(
-            "kvrouter_redis_events_vouched", "1 when Redis holds state for the replica (a relay writes it).",
+            "kvrouter_redis_events_vouched",
+            "1 when Redis holds state for the replica (a relay writes it).",
             labels=["replica"],
         )
         reloads = CounterMetricFamily(
-            "kvrouter_redis_events_reloads", "Full reloads of a replica's state (start, new epoch, gap).",
+            "kvrouter_redis_events_reloads",
+            "Full reloads of a replica's state (start, new epoch, gap).",
             labels=["replica"],
         )
         entries = CounterMetricFamily(

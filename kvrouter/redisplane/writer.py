@@ -86,6 +86,7 @@ local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind == 'none' then return 'stale' end
 if kind ~= 'hash' then return 'wrong_type' end
 local meta = redis.call('HMGET', KEYS[1], 'epoch', 'n')
+if (meta[1] and not tonumber(meta[1])) or (meta[2] and not tonumber(meta[2])) then return 'bad_meta' end
 if meta[1] ~= ARGV[1] or meta[2] ~= ARGV[2] then return 'stale' end
 if redis.call('TYPE', KEYS[2])['ok'] ~= 'stream' then return 'wrong_type' end
 local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
