@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -252,7 +253,12 @@ class RelayCollector(Collector):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", required=True, help="path of replicas.yaml")
-    parser.add_argument("--redis-url", required=True, help="Redis to write to, e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("KVROUTER_REDIS_URL"),
+        help="Redis to write to, e.g. redis://:PASSWORD@127.0.0.1:6379/0 (default: $KVROUTER_REDIS_URL, which keeps "
+        "the password off the command line)",
+    )
     parser.add_argument(
         "--only", action="append", default=None, metavar="NAME", help="relay only this replica (repeatable)"
     )
@@ -286,6 +292,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not replicas:
         print("kvrouter relay: no replica has kv_events configured; nothing to relay", file=sys.stderr)
+        return 2
+    if not args.redis_url:
+        print("kvrouter relay: no Redis URL: pass --redis-url or set KVROUTER_REDIS_URL", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     knobs = RelayKnobs(

@@ -195,10 +195,12 @@ class TwoReplicaPlane:
             ),
         )  # fmt: skip
 
-    async def start(self) -> None:
+    async def start(self, *, loaded: bool = True) -> None:
         await self.relay.open()
         await self.relay.flush()
         self.follower.start()
+        if loaded:
+            await asyncio.wait_for(self.follower.loaded.wait(), 20)
 
     async def write(self, replica: ReplicaName, steps: int = 5) -> None:
         for _ in range(steps):

@@ -232,7 +232,7 @@ async def test_unexpected_error_in_the_loop_is_counted_and_not_ready_until_a_ses
     plane.follower.connect = flaky
     plane.follower.knobs = type(plane.follower.knobs)(block_ms=100, backoff_initial_s=0.2, startup_grace_s=0.0)
     try:
-        await plane.start()
+        await plane.start(loaded=False)
         await eventually(lambda: plane.follower.session_errors["internal"] >= 1)
         assert not plane.follower.is_ready()
         await eventually(lambda: plane.follower.is_ready(), what="ready once a session is up")
