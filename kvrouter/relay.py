@@ -50,8 +50,9 @@ from kvrouter.events.wire import EventBatch
 from kvrouter.events.zmq_source import ZmqEventSource
 from kvrouter.redisplane.catchup import CatchupError
 from kvrouter.redisplane.clients import masked_url
-from kvrouter.redisplane.follower import SESSION_ERRORS, connect_redis
+from kvrouter.redisplane.follower import connect_redis
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, replica_keys
+from kvrouter.redisplane.problems import SESSION_ERRORS
 from kvrouter.redisplane.state import RelayBook
 from kvrouter.redisplane.writer import ReplicaWriter, WriterKnobs
 from kvrouter.typedefs import ReplicaName

@@ -9,8 +9,8 @@ Against a real redis-server: hypothesis writes lists of adversarial entries (gar
 ids and wrong ids, missing fields, huge values, snapshot and key-type vandalism) into one replica's keys while a
 second replica's stream carries good entries. Properties: the follower's task never dies and stays ready, the
 good replica's blocks all arrive in the index, the bad replica's trouble is counted, and once the vandalism stops
-the bad replica is resynced to exactly the relay's state. KVROUTER_FUZZ_REDIS_EXAMPLES examples (default 4, each
-up to 80 entries: a few hundred hostile entries per CI run).
+the bad replica is resynced to exactly the relay's state. KVROUTER_FUZZ_REDIS_EXAMPLES examples (default 5, each
+40 to 100 entries: a few hundred hostile entries per CI run).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from tests.redis_plane_support import TwoReplicaPlane
 
 DECODE_CASES = int(os.environ.get("KVROUTER_FUZZ_REDIS_DECODE", "10000"))
 HYPOTHESIS_CASES = int(os.environ.get("KVROUTER_FUZZ_REDIS_HYPOTHESIS", "1000"))
-REDIS_EXAMPLES = int(os.environ.get("KVROUTER_FUZZ_REDIS_EXAMPLES", "4"))
+REDIS_EXAMPLES = int(os.environ.get("KVROUTER_FUZZ_REDIS_EXAMPLES", "5"))
 GOOD, BAD = TwoReplicaPlane.GOOD, TwoReplicaPlane.BAD
 
 encode = msgspec.msgpack.encode
@@ -139,7 +139,7 @@ def test_decode_refuses_or_returns_usable_entries_hypothesis(blob: bytes) -> Non
 
 VANDALISM = ("garbage", "shape", "next_id_garbage", "skip_id", "auto_id", "no_field", "huge", "snapshot", "type")
 hostile_lists = st.lists(
-    st.tuples(st.sampled_from(VANDALISM), st.binary(max_size=32), msgpack_values), min_size=1, max_size=80
+    st.tuples(st.sampled_from(VANDALISM), st.binary(max_size=32), msgpack_values), min_size=40, max_size=100
 )
 
 

@@ -43,16 +43,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from redis.asyncio import Redis
-from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError, RedisError, ResponseError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError, ResponseError
 
 from kvrouter.config import FleetConfig, ReplicaConfig
 from kvrouter.redisplane.catchup import ENTRY_ERRORS, Catchup, CatchupError, decode_entry, read_replica
 from kvrouter.redisplane.clients import redis_from_url
 from kvrouter.redisplane.entries import EntryCodec, Op, Removed, Stored, unpack_u64
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, Position, ReplicaKeys, replica_keys
-from kvrouter.redisplane.problems import ProblemLog
+from kvrouter.redisplane.problems import SESSION_ERRORS, ApplyFailed, ProblemLog, replica_reason, session_reason
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 log = logging.getLogger(__name__)
@@ -60,43 +58,6 @@ log = logging.getLogger(__name__)
 
 class _Resubscribe(Exception):
     """The set of followed replicas changed: start a new session (positions are kept)."""
-
-
-class _ApplyFailed(Exception):
-    """The index refused an op: the replica's blocks there are uncertain, so it reloads."""
-
-
-SESSION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
-"""Redis itself is away (or refuses us): the session ends and is retried. Anything else is one replica's data."""
-
-
-def session_reason(error: BaseException) -> str:
-    """The `session_errors` label of an error that ended a session."""
-    if isinstance(error, (AuthenticationError, AuthorizationError, NoPermissionError)):
-        return "auth"
-    text = str(error)
-    if "NOAUTH" in text or "WRONGPASS" in text:
-        return "auth"
-    if "SSL" in text or "certificate" in text or "TLS" in text:
-        return "tls"
-    if isinstance(error, (RedisError, OSError)):
-        return "connection"
-    return "internal"
-
-
-def replica_reason(error: BaseException) -> str:
-    """The `problems` label of an error confined to one replica's data."""
-    if isinstance(error, CatchupError):
-        return {"entry": "undecodable"}.get(error.reason, error.reason)
-    if isinstance(error, _ApplyFailed):
-        return "apply_failed"
-    if isinstance(error, NoPermissionError):
-        return "no_permission"
-    if isinstance(error, ResponseError):
-        return "wrong_type" if "WRONGTYPE" in str(error) else "redis_error"
-    if isinstance(error, (ValueError, UnicodeDecodeError)):
-        return "bad_meta"
-    return "internal"
 
 
 class BlockSink(Protocol):
@@ -486,7 +447,7 @@ class RedisFollower:
         try:
             self._apply(followed, ops)
         except Exception as error:
-            raise _ApplyFailed(f"{type(error).__name__}: {error}") from error
+            raise ApplyFailed(f"{type(error).__name__}: {error}") from error
 
     def _drop(self, followed: FollowedReplica) -> None:
         for rank in sorted(followed.ranks):

@@ -11,6 +11,10 @@ refused an op), ``snapshot`` (the snapshot does not decode), ``wrong_type`` (a k
 ``bad_meta`` (the meta hash holds something that is not a number), ``gap`` (snapshot and stream never lined up),
 ``foreign_entry`` (the stream holds an entry this relay did not write), ``internal`` (any other exception,
 caught so that one replica never stops the others).
+
+`SESSION_ERRORS` are the errors that mean Redis itself is away or refuses us (they end a follower session, and
+`session_reason` labels them ``connection``, ``auth``, ``tls`` or ``internal``); every other error is one replica's
+data, labelled by `replica_reason`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+
+from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvrouter.redisplane.catchup import CatchupError
 
 
 class ProblemLog:
@@ -44,3 +54,40 @@ class ProblemLog:
 
     def total(self, replica: str) -> int:
         return sum(n for (name, _), n in self.counts.items() if name == replica)
+
+
+class ApplyFailed(Exception):
+    """The index refused an op: the replica's blocks there are uncertain, so it reloads."""
+
+
+SESSION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+"""Redis itself is away (or refuses us): the session ends and is retried. Anything else is one replica's data."""
+
+
+def session_reason(error: BaseException) -> str:
+    """The `session_errors` label of an error that ended a session."""
+    if isinstance(error, (AuthenticationError, AuthorizationError, NoPermissionError)):
+        return "auth"
+    text = str(error)
+    if "NOAUTH" in text or "WRONGPASS" in text:
+        return "auth"
+    if "SSL" in text or "certificate" in text or "TLS" in text:
+        return "tls"
+    if isinstance(error, (RedisError, OSError)):
+        return "connection"
+    return "internal"
+
+
+def replica_reason(error: BaseException) -> str:
+    """The `problems` label of an error confined to one replica's data."""
+    if isinstance(error, CatchupError):
+        return {"entry": "undecodable"}.get(error.reason, error.reason)
+    if isinstance(error, ApplyFailed):
+        return "apply_failed"
+    if isinstance(error, NoPermissionError):
+        return "no_permission"
+    if isinstance(error, ResponseError):
+        return "wrong_type" if "WRONGTYPE" in str(error) else "redis_error"
+    if isinstance(error, (ValueError, UnicodeDecodeError)):
+        return "bad_meta"
+    return "internal"
