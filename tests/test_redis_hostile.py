@@ -16,6 +16,7 @@ import pytest
 from redis.asyncio import Redis
 
 from kvrouter.index import PrefixIndex
+from kvrouter.redisplane.follower import FollowerKnobs
 from kvrouter.redisplane.layout import Position
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import eventually
@@ -169,9 +170,13 @@ async def test_undecodable_entry_is_skipped_then_a_newer_snapshot_reloads_the_re
     assert plane.agrees(GOOD)
 
 
-async def test_an_op_the_index_refuses_resyncs_that_replica_alone(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("streams_per_read", [None, 1], ids=["one-xread", "xread-per-replica"])
+async def test_an_op_the_index_refuses_resyncs_that_replica_alone(
+    redis_server: RedisServer, streams_per_read: int | None
+) -> None:
     """A per-replica failure (here the index raising for ``bad``) is caught, counted ``apply_failed``, the
-    replica quarantined and retried with back-off; ``good`` keeps flowing, and ``bad`` loads once it can."""
+    replica quarantined and retried with back-off; ``good`` keeps flowing, and ``bad`` loads once it can. With one
+    XREAD task per replica (Redis Cluster) as with one for all."""
 
     class Refusing(PrefixIndex):
         refuse: set[str] = set()
@@ -182,7 +187,11 @@ async def test_an_op_the_index_refuses_resyncs_that_replica_alone(redis_server: 
             return super().store_keys(replica, *args, **kwargs)
 
     sink = Refusing()
-    plane = TwoReplicaPlane(redis_server.url, sink=sink)
+    knobs = FollowerKnobs(
+        block_ms=100, backoff_initial_s=0.05, backoff_max_s=0.2, resync_initial_s=0.1, resync_max_s=0.5,
+        streams_per_read=streams_per_read,
+    )  # fmt: skip
+    plane = TwoReplicaPlane(redis_server.url, sink=sink, follower_knobs=knobs)
     try:
         await plane.start()
         sink.refuse = {BAD}
@@ -201,18 +210,39 @@ async def test_an_op_the_index_refuses_resyncs_that_replica_alone(redis_server: 
         await plane.close()
 
 
-async def test_follower_loop_that_dies_is_not_ready_and_restarts(plane: TwoReplicaPlane) -> None:
-    """Its task cancelled from outside (standing in for any death): /ready's check says not ready, the task is
-    restarted with back-off, and following resumes."""
-    task = plane.follower._task
-    assert task is not None
-    task.cancel()
-    await eventually(lambda: task.done())
-    assert not plane.follower.is_ready()
-    await eventually(lambda: plane.follower.is_ready(), what="the follower restarted")
-    assert plane.follower.loop_restarts == 1
-    await plane.write(GOOD)
-    await eventually(lambda: plane.agrees(GOOD))
+class Fatal(BaseException):
+    """Escapes every ``except Exception``: the follower's task ends with it."""
+
+
+async def test_follower_loop_that_dies_is_not_ready_and_restarts(redis_server: RedisServer) -> None:
+    """The follower's task ends (a BaseException from the index, standing in for any death): its readiness check
+    says not ready, the task is restarted with back-off, and following resumes."""
+
+    class Dying(PrefixIndex):
+        die = False
+
+        def store_keys(self, replica, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if self.die:
+                self.die = False
+                raise Fatal
+            return super().store_keys(replica, *args, **kwargs)
+
+    sink = Dying()
+    plane = TwoReplicaPlane(redis_server.url, sink=sink)
+    try:
+        await plane.start()
+        task = plane.follower._task
+        assert task is not None
+        sink.die = True
+        await plane.write(GOOD)
+        await eventually(lambda: task.done(), what="the task died")
+        assert not plane.follower.is_ready()
+        await eventually(lambda: plane.follower.is_ready(), what="the follower restarted")
+        assert plane.follower.loop_restarts == 1 and plane.follower._task is not task
+        await plane.write(GOOD)
+        await eventually(lambda: plane.agrees(GOOD))
+    finally:
+        await plane.close()
 
 
 async def test_unexpected_error_in_the_loop_is_counted_and_not_ready_until_a_session_is_up(

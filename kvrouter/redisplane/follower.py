@@ -253,10 +253,16 @@ class RedisFollower:
             return
         error = None if task.cancelled() else task.exception()
         self.loop_restarts += 1
-        self.crashed = True
+        self._distrust()
         log.error("redis event follower stopped (%r); restarting in %.1fs", error, self._restart_delay)
         delay, self._restart_delay = self._restart_delay, min(self._restart_delay * 2, self.knobs.backoff_max_s)
         asyncio.get_running_loop().call_later(delay, self._restart, task)
+
+    def _distrust(self) -> None:
+        """The loop broke somewhere unknown (perhaps mid-entry): not ready, and every replica reloads."""
+        self.crashed = True
+        for followed in self.replicas.values():
+            followed.position = None
 
     def _restart(self, ended: asyncio.Task[None]) -> None:
         if not self._stopping and self._task is ended:
@@ -292,7 +298,7 @@ class RedisFollower:
             except Exception as error:
                 # A bug, or data that slipped past every guard: never end following over it.
                 log.exception("redis event follower: unexpected error; the session restarts")
-                self.crashed = True
+                self._distrust()
                 self._went_down(error)
             finally:
                 if redis is not None:
