@@ -12,7 +12,9 @@ so a drain, an undrain or a reload sent to any instance reaches all of them with
 
 The hash is one key (``kvrouter:{admin}``), so it lives in one slot on Redis Cluster. Redis trouble never blocks
 an admin call: the local change applies at once, the answer says ``"shared": false``, and the write is retried on
-the next poll.
+the next poll. The URL takes the same password, ACL user and TLS forms as the event plane
+(`kvrouter.redisplane.clients`). Field values are read as bytes and decoded leniently, so whatever another
+client wrote into the hash (non-UTF-8 bytes, a counter that is not a number) is ignored, never raised.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def file_digest(path: Path) -> str | None:
 
 
 def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +67,7 @@ class RedisAdminState:
     def _client(self) -> Redis:
         if self._redis is None:
             # Same URL forms as the event plane: a single Redis, redis+sentinel:// or redis+cluster://.
-            self._redis = redis_from_url(
-                self.url, socket_timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s, decode_responses=True
-            )
+            self._redis = redis_from_url(self.url, socket_timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s)
         return self._redis
 
     async def set_draining(self, replica: str, draining: bool) -> bool:

@@ -335,7 +335,11 @@ def _relay_metrics() -> dict[str, tuple[str, tuple[str, ...], str]]:
 
     idle = SimpleNamespace(
         redis_up=False,
-        writers={"r": SimpleNamespace(stats=SimpleNamespace(entries=0, snapshots=0, epochs=0))},
+        writers={
+            "r": SimpleNamespace(
+                stats=SimpleNamespace(entries=0, snapshots=0, epochs=0), problems=SimpleNamespace(counts={})
+            )
+        },
         sources={"r": SimpleNamespace(lost_clears=0)},
     )
     registry = CollectorRegistry()

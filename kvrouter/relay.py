@@ -12,6 +12,12 @@ buffer fills the gap. When the buffer no longer reaches back that far the replic
 rebuilt from what follows, under a new epoch (counted as `kvrouter_relay_lost_clears_total`); if Redis lost its data
 the relay rebuilds it from its own state under a new epoch.
 
+Hostile Redis data never sticks the relay: what it finds in a replica's keys that it did not write (garbage
+snapshot, foreign stream entries, keys of another type, meta that is not numbers) is counted per reason
+(`kvrouter_relay_repairs_total`) and replaced by a new epoch from the relay's own state (see redisplane/writer.py);
+an unexpected error in one replica's write is counted (``internal``) and answered the same way, never stopping
+the other replicas or the relay.
+
 One relay can serve many replicas (``--only NAME`` picks some, for a sidecar per replica). Knobs:
 ``--flush-interval`` (how long batches gather before a write), ``--verify-interval`` (how often an idle relay
 checks that Redis still holds what it wrote), the snapshot ratio.
@@ -23,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -42,8 +49,10 @@ from kvrouter.events.metrics import EventMetrics
 from kvrouter.events.wire import EventBatch
 from kvrouter.events.zmq_source import ZmqEventSource
 from kvrouter.redisplane.catchup import CatchupError
+from kvrouter.redisplane.clients import masked_url
 from kvrouter.redisplane.follower import connect_redis
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, replica_keys
+from kvrouter.redisplane.problems import SESSION_ERRORS
 from kvrouter.redisplane.state import RelayBook
 from kvrouter.redisplane.writer import ReplicaWriter, WriterKnobs
 from kvrouter.typedefs import ReplicaName
@@ -146,14 +155,29 @@ class Relay:
             except (RedisError, OSError) as error:
                 self._dirty.add(name)
                 failed = error
+            except Exception as error:
+                self._internal(name, error)
         if failed is not None:
             raise failed
 
+    def _internal(self, name: ReplicaName, error: Exception) -> None:
+        """A bug or data no guard foresaw, in one replica's write: count it, rebuild that replica, go on."""
+        writer = self.writers[name]
+        writer.problems.count(name, "internal", f"{type(error).__name__}: {error}")
+        writer.new_epoch()
+        self._dirty.add(name)
+
     async def verify(self) -> None:
-        """An idle relay still checks that Redis holds what it wrote (Redis may have restarted empty)."""
+        """An idle relay still checks that Redis holds what it wrote (Redis may have restarted empty, or someone
+        wrote into its keys)."""
         for name, writer in self.writers.items():
-            if not await writer.verify():
-                self._dirty.add(name)
+            try:
+                if not await writer.verify():
+                    self._dirty.add(name)
+            except SESSION_ERRORS:
+                raise
+            except Exception as error:
+                self._internal(name, error)
         await self.flush()
 
     async def run(self) -> None:
@@ -181,6 +205,10 @@ class Relay:
                 if self.redis_up:
                     log.warning("relay: Redis unavailable (%s); retrying", error)
                 self.redis_up = False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.knobs.backoff_max_s)
+            except Exception:
+                log.exception("relay: unexpected error; retrying")  # never let the writer task end
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.knobs.backoff_max_s)
 
@@ -212,11 +240,26 @@ class RelayCollector(Collector):
             source = self.relay.sources.get(name)
             families["lost_clears"].add_metric([name], source.lost_clears if source is not None else 0)
         yield from families.values()
+        repairs = CounterMetricFamily(
+            "kvrouter_relay_repairs",
+            "Replica keys found holding what the relay did not write, per reason (snapshot, foreign_entry, "
+            "wrong_type, bad_meta, gap, internal); each answered by a new epoch from the relay's state.",
+            labels=["replica", "reason"],
+        )
+        for writer in self.relay.writers.values():
+            for (replica, reason), count in sorted(writer.problems.counts.items()):
+                repairs.add_metric([replica, reason], count)
+        yield repairs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", required=True, help="path of replicas.yaml")
-    parser.add_argument("--redis-url", required=True, help="Redis to write to, e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("KVROUTER_REDIS_URL"),
+        help="Redis to write to, e.g. redis://:PASSWORD@127.0.0.1:6379/0 (default: $KVROUTER_REDIS_URL, which keeps "
+        "the password off the command line)",
+    )
     parser.add_argument(
         "--only", action="append", default=None, metavar="NAME", help="relay only this replica (repeatable)"
     )
@@ -251,6 +294,9 @@ def run(args: argparse.Namespace) -> int:
     if not replicas:
         print("kvrouter relay: no replica has kv_events configured; nothing to relay", file=sys.stderr)
         return 2
+    if not args.redis_url:
+        print("kvrouter relay: no Redis URL: pass --redis-url or set KVROUTER_REDIS_URL", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     knobs = RelayKnobs(
         flush_interval_s=args.flush_interval,
@@ -262,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
     redis = connect_redis(args.redis_url, socket_timeout_s=10.0)
+    log.info("relay: writing to Redis at %s", masked_url(args.redis_url))  # never the password
     relay = Relay(
         redis,
         fleet,
@@ -306,8 +353,8 @@ async def serve_relay(relay: Relay, fleet: FleetConfig, *, context: zmq.asyncio.
     while not relay.opened:
         try:
             await relay.open()
-        except (RedisError, OSError, CatchupError) as error:
-            log.warning("relay: cannot read the state back from Redis (%s); retrying", error)
+        except Exception as error:
+            log.warning("relay: cannot read the state back from Redis (%r); retrying", error)
             await asyncio.sleep(delay)
             delay = min(delay * 2, relay.knobs.backoff_max_s)
     by_name = {r.replica: r for r in fleet.replicas}

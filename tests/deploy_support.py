@@ -19,13 +19,30 @@ DEPLOY = REPO / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
 COMPOSE_FILE = DEPLOY / "docker-compose.yaml"
 
-_VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}")
+_VARIABLE = re.compile(
+    r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?::?-(?P<default>[^}]*))|(?::?\?(?P<required>[^}]*)))?\}"
+)
+COMPOSE_TEST_PASSWORD = "compose-test-password"
+"""REDIS_PASSWORD for reading the compose file (it refuses to start without one, like `${VAR:?message}`)."""
+
+
+class MissingVariable(ValueError):
+    """A ``${NAME:?message}`` whose variable is unset or empty: `docker compose` refuses the file."""
+
+
+def _substitute(match: re.Match[str], env: dict[str, str]) -> str:
+    value = env.get(match["name"])
+    if value:
+        return value
+    if match["required"] is not None:
+        raise MissingVariable(f"{match['name']}: {match['required']}")
+    return match["default"] or ""
 
 
 def interpolate(value: Any, env: dict[str, str]) -> Any:
-    """Compose's `${NAME}` / `${NAME:-default}` substitution, recursively."""
+    """Compose's `${NAME}` / `${NAME:-default}` / `${NAME:?error}` substitution, recursively."""
     if isinstance(value, str):
-        return _VARIABLE.sub(lambda m: env.get(m["name"]) or (m["default"] or ""), value)
+        return _VARIABLE.sub(lambda m: _substitute(m, env), value)
     if isinstance(value, list):
         return [interpolate(item, env) for item in value]
     if isinstance(value, dict):
@@ -35,7 +52,7 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
 
 def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
     raw = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))
-    return dict(interpolate(raw, env or {}))
+    return dict(interpolate(raw, {"REDIS_PASSWORD": COMPOSE_TEST_PASSWORD, **(env or {})}))
 
 
 def compose_environment(service: dict[str, Any]) -> dict[str, str]:

@@ -4,6 +4,10 @@
 (append-only file fsynced on every write, so "restarted with its data" means exactly the data written). Test
 modules import the fixtures: ``from tests.redis_fixtures import redis_server, redis_server_persistent``.
 Tests are skipped with a clear reason when no ``redis-server`` binary is on PATH.
+
+Access: ``password`` starts it with ``--requirepass`` (the URL carries it); ``tls`` (from `make_tls`, which runs
+the ``openssl`` CLI to make a CA and a server certificate for 127.0.0.1) serves TLS only (``--port 0``) and the
+URL becomes ``rediss://...?ssl_ca_certs=<ca>&ssl_cert_reqs=required``.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -26,10 +33,47 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_tls(directory: Path) -> TlsFiles:
+    """A throw-away CA and a server certificate for 127.0.0.1 (IP SAN), made with the openssl CLI."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("the openssl CLI is not installed")
+    directory.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = directory / "ca.pem", directory / "ca.key"
+    cert, key, csr = directory / "server.pem", directory / "server.key", directory / "server.csr"
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "2",
+        "-subj", "/CN=kvrouter-test-ca")  # fmt: skip
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial", "-out",
+        str(cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
+    return TlsFiles(ca, cert, key)
+
+
 class RedisServer:
     """One redis-server process this test owns; `url` stays the same across restarts."""
 
-    def __init__(self, directory: Path, *, persistent: bool = False, port: int | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        persistent: bool = False,
+        port: int | None = None,
+        password: str | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not installed (Debian package redis-server)")
@@ -38,11 +82,20 @@ class RedisServer:
         self.persistent = persistent
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
+        self.password = password
+        self.tls = tls
         directory.mkdir(parents=True, exist_ok=True)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self.url_with(self.password)
+
+    def url_with(self, password: str | None, *, user: str = "") -> str:
+        """The URL with these credentials (None: none at all), TLS options included when it serves TLS."""
+        credentials = f"{user}:{quote(password, safe='')}@" if password is not None else ""
+        if self.tls is None:
+            return f"redis://{credentials}127.0.0.1:{self.port}/0"
+        return f"rediss://{credentials}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.ca}&ssl_cert_reqs=required"
 
     @property
     def pid(self) -> int | None:
@@ -51,19 +104,33 @@ class RedisServer:
     def command(self) -> list[str]:
         args = [
             self.binary,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.directory),
-            "--daemonize", "no",
-            "--save", "",
-            "--protected-mode", "yes",
-            "--loglevel", "warning",
-            "--logfile", str(self.directory / "redis.log"),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.directory),
+            "--daemonize",
+            "no",
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(self.directory / "redis.log"),
         ]
         if self.persistent:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
             args += ["--appendonly", "no"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        if self.tls is not None:
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port)]
+            args += ["--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key),
+                     "--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"]  # fmt: skip
         return args
 
     def start(self, timeout_s: float = 10.0) -> None:
@@ -82,10 +149,15 @@ class RedisServer:
         raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout_s}s")
 
     def _answers_ping(self) -> bool:
+        """PONG, or NOAUTH from a server that wants a password: either way it serves."""
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                conn = raw
+                if self.tls is not None:
+                    context = ssl.create_default_context(cafile=str(self.tls.ca))
+                    conn = context.wrap_socket(raw, server_hostname="127.0.0.1")
                 conn.sendall(b"PING\r\n")
-                return conn.recv(16).startswith(b"+PONG")
+                return conn.recv(16).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 

@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import json
 import random
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -152,3 +154,81 @@ class FramePublisher:
             await self.task
         self.pub.close(linger=0)
         self.replay.close(linger=0)
+
+
+class TwoReplicaPlane:
+    """The Redis event plane over two synthetic replicas, ``good`` and ``bad``: a relay core (driven by the test:
+    `write` feeds engine steps and flushes; `verify` is the relay's idle check) and one router's follower over a
+    real `PrefixIndex`. Hostile tests write into ``bad``'s keys with `raw` and check that ``good`` keeps flowing."""
+
+    GOOD = ReplicaName("good")
+    BAD = ReplicaName("bad")
+
+    def __init__(self, url: str, *, follower_knobs: Any = None, sink: PrefixIndex | None = None) -> None:
+        from kvrouter.events.wire import WireDecoder
+        from kvrouter.redisplane.follower import FollowerKnobs, RedisFollower, connect_redis
+        from kvrouter.redisplane.writer import WriterKnobs
+        from kvrouter.relay import Relay, RelayKnobs
+
+        self.url = url
+        self.fleet = synthetic_fleet(self.GOOD, self.BAD)
+        self.redis = connect_redis(url, socket_timeout_s=10.0)
+        self.raw = connect_redis(url, socket_timeout_s=10.0)
+        knobs = RelayKnobs(flush_interval_s=0.0, verify_interval_s=0.1, writer=WriterKnobs(snapshot_min_blocks=64))
+        self.relay = Relay(
+            self.redis, self.fleet, [self.GOOD, self.BAD], clock_ms=lambda: time.time_ns() // 10**6, knobs=knobs
+        )
+        self.engines = {self.GOOD: SyntheticEngine(1), self.BAD: SyntheticEngine(2)}
+        self.seqs = {self.GOOD: 0, self.BAD: 0}
+        self.decoder = WireDecoder()
+        self.index = sink if sink is not None else PrefixIndex()
+        self.follower = RedisFollower(
+            lambda: connect_redis(url, block_ms=100),
+            [self.GOOD, self.BAD],
+            self.index,
+            hash_seed=0,
+            clock=time.monotonic,
+            knobs=follower_knobs
+            or FollowerKnobs(
+                block_ms=100, backoff_initial_s=0.05, backoff_max_s=0.2, resync_initial_s=0.1, resync_max_s=0.5,
+                taint_check_s=0.1,
+            ),
+        )  # fmt: skip
+
+    async def start(self, *, loaded: bool = True) -> None:
+        await self.relay.open()
+        await self.relay.flush()
+        self.follower.start()
+        if loaded:
+            await asyncio.wait_for(self.follower.loaded.wait(), 20)
+
+    async def write(self, replica: ReplicaName, steps: int = 5) -> None:
+        for _ in range(steps):
+            batch, problems = self.decoder.decode_payload(replica, self.seqs[replica], self.engines[replica].step())
+            assert batch is not None and not problems
+            self.seqs[replica] += 1
+            self.relay.accept(batch)
+        await self.relay.flush()
+
+    def held(self, replica: ReplicaName) -> dict[int, int]:
+        """The relay's authoritative blocks of `replica`: engine hash -> key."""
+        return {h: k for table in self.relay.book[replica].blocks().values() for h, k in table.items()}
+
+    def indexed(self, replica: ReplicaName) -> dict[int, int]:
+        return {h: int(self.index.key_of(replica, EngineBlockHash(h)) or -1) for h in self.held(replica)}
+
+    def agrees(self, replica: ReplicaName) -> bool:
+        """The router's index holds exactly the relay's blocks for `replica`, and no more."""
+        return self.index.blocks_of(replica) == len(self.relay.book[replica]) and self.indexed(replica) == self.held(
+            replica
+        )
+
+    def problems(self, replica: ReplicaName) -> dict[str, int]:
+        follower = {reason: n for (name, reason), n in self.follower.problems.counts.items() if name == replica}
+        relay = self.relay.writers[replica].problems.counts
+        return follower | {f"relay:{reason}": n for (_, reason), n in relay.items()}
+
+    async def close(self) -> None:
+        await self.follower.stop()
+        await self.redis.aclose()
+        await self.raw.aclose()

@@ -17,6 +17,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -25,9 +26,11 @@ from pydantic import ValidationError
 from kvrouter.cli import SUBCOMMANDS, build_parser
 from kvrouter.config import FleetConfig, Settings, load_fleet, parse_fleet
 from tests.deploy_support import (
+    COMPOSE_TEST_PASSWORD,
     DEPLOY,
     KUBERNETES,
     REPO,
+    MissingVariable,
     VllmFlags,
     compose_environment,
     compose_mounts,
@@ -228,8 +231,11 @@ def test_compose_routers_and_relay_agree_with_kvrouter(fleet_name: str) -> None:
             assert fleet.tokenizer in mounts or name == "relay", f"{name} does not mount {fleet.tokenizer}"
         env = compose_environment(service)
         settings = settings_from_env(env)
-        redis_url = namespace.redis_url if name == "relay" else settings.redis_url
+        redis_url = settings.redis_url
         assert redis_url is not None and host_of(redis_url) == "redis" and port_of(redis_url) == redis_port
+        # The password reaches Redis through the environment, never a command line.
+        assert urlsplit(redis_url).password == COMPOSE_TEST_PASSWORD
+        assert not any(COMPOSE_TEST_PASSWORD in str(item) for item in service["command"])
         assert "redis" in (service.get("depends_on") or {})
         if name == "relay":
             health = " ".join(service["healthcheck"]["test"])
@@ -361,7 +367,10 @@ def test_promtool_accepts_the_prometheus_config() -> None:
         pytest.skip("promtool not installed (Debian package `prometheus`)")
     result = subprocess.run(
         [promtool, "check", "config", "--syntax-only", str(DEPLOY / "prometheus.yml")],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -391,9 +400,16 @@ def test_kustomization_lists_every_manifest() -> None:
     assert set(kustomization["resources"]) == on_disk
     kinds = {(d["kind"], d["metadata"]["name"]) for d in load_manifests()}
     for expected in (
-        ("Deployment", "kvrouter"), ("Service", "kvrouter"), ("HorizontalPodAutoscaler", "kvrouter"),
-        ("PodDisruptionBudget", "kvrouter"), ("Deployment", "kvrouter-relay"), ("Deployment", "redis"),
-        ("Service", "redis"), ("StatefulSet", "vllm"), ("Service", "vllm"), ("ConfigMap", "kvrouter-fleet"),
+        ("Deployment", "kvrouter"),
+        ("Service", "kvrouter"),
+        ("HorizontalPodAutoscaler", "kvrouter"),
+        ("PodDisruptionBudget", "kvrouter"),
+        ("Deployment", "kvrouter-relay"),
+        ("Deployment", "redis"),
+        ("Service", "redis"),
+        ("StatefulSet", "vllm"),
+        ("Service", "vllm"),
+        ("ConfigMap", "kvrouter-fleet"),
     ):
         assert expected in kinds, expected
 
@@ -461,11 +477,12 @@ def test_k8s_relay_matches_kvrouter() -> None:
     manifests = load_manifests()
     item = container(find(manifests, "Deployment", "kvrouter-relay"), "relay")
     env = container_env(item)
-    settings_from_env(env)
+    settings = settings_from_env(env)
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in item["args"]]
     subcommand, namespace = parse_command(args)
     assert subcommand == "relay"
-    assert host_of(namespace.redis_url) == "redis"
+    assert "--redis-url" not in args, "the Redis URL (with its password) belongs in the environment"
+    assert settings.redis_url is not None and host_of(settings.redis_url) == "redis"
     relay = find(manifests, "Deployment", "kvrouter-relay")
     annotations = relay["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(namespace.metrics_port)
@@ -557,3 +574,40 @@ async def test_image_and_compose_health_checks_against_a_live_router(
     # Nothing listening: both checks fail.
     assert await asyncio.to_thread(run_check, image_check, unused_tcp_port) != 0
     assert await asyncio.to_thread(run_check, compose_check, unused_tcp_port) != 0
+
+
+# -- Redis requires a password -----------------------------------------------------------------------------------
+
+
+def test_compose_redis_requires_a_password_and_compose_refuses_to_start_without_one() -> None:
+    with pytest.raises(MissingVariable, match="REDIS_PASSWORD"):
+        load_compose({"REDIS_PASSWORD": ""})
+    redis = load_compose()["services"]["redis"]
+    command = [str(item) for item in redis["command"]]
+    assert command[command.index("--requirepass") + 1] == COMPOSE_TEST_PASSWORD
+    # The health check authenticates (REDISCLI_AUTH) and needs PONG: NOAUTH would fail it.
+    assert compose_environment(redis)["REDISCLI_AUTH"] == COMPOSE_TEST_PASSWORD
+    assert "PONG" in " ".join(redis["healthcheck"]["test"])
+
+
+def secret_ref(item: dict[str, Any], name: str) -> dict[str, Any] | None:
+    for entry in item.get("env", []):
+        if entry["name"] == name:
+            return entry.get("valueFrom", {}).get("secretKeyRef")
+    return None
+
+
+def test_k8s_redis_requires_the_password_from_a_secret_the_router_and_relay_send() -> None:
+    manifests = load_manifests()
+    redis = container(find(manifests, "Deployment", "redis"), "redis")
+    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert secret_ref(redis, "REDIS_PASSWORD") == {"name": "kvrouter-redis", "key": "password"}
+    assert "PONG" in " ".join(redis["readinessProbe"]["exec"]["command"])
+    for deployment, name in (("kvrouter", "kvrouter"), ("kvrouter-relay", "relay")):
+        item = container(find(manifests, "Deployment", deployment), name)
+        assert secret_ref(item, "REDIS_PASSWORD") == {"name": "kvrouter-redis", "key": "password"}
+        names = [entry["name"] for entry in item["env"]]
+        # Kubernetes expands $(REDIS_PASSWORD) only from variables defined before it.
+        assert names.index("REDIS_PASSWORD") < names.index("KVROUTER_REDIS_URL")
+        url = container_env(item)["KVROUTER_REDIS_URL"]
+        assert urlsplit(url).password == "$(REDIS_PASSWORD)" and host_of(url) == "redis"

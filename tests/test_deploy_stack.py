@@ -27,8 +27,15 @@ import yaml
 
 from kvrouter.config import load_fleet
 from tests.conftest import stop_process
-from tests.deploy_support import DEPLOY, compose_environment, free_block, load_compose, services_in
-from tests.redis_fixtures import RedisServer, free_port, redis_server  # noqa: F401  (fixture)
+from tests.deploy_support import (
+    COMPOSE_TEST_PASSWORD,
+    DEPLOY,
+    compose_environment,
+    free_block,
+    load_compose,
+    services_in,
+)
+from tests.redis_fixtures import RedisServer, free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -69,7 +76,9 @@ class Stack:
         with log.open("ab") as sink:
             process = subprocess.Popen(
                 [sys.executable, "-m", "kvrouter.cli", *command],
-                stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
             )
         self.services[name] = Service(process, log)
 
@@ -106,7 +115,8 @@ class Stack:
         load_fleet(self.fleet_file)
 
     def start_relay(self) -> None:
-        self.start("relay", self.relay_command)
+        # As in compose: the Redis URL, password included, comes from the environment.
+        self.start("relay", self.relay_command, {"KVROUTER_REDIS_URL": self.redis_url})
 
     def check_alive(self) -> None:
         for name, service in self.services.items():
@@ -134,7 +144,18 @@ def wait_for(url: str, stack: Stack, timeout_s: float = 90.0) -> None:
 
 
 @pytest.fixture
-def sim_stack(redis_server: RedisServer, tmp_path: Path) -> Iterator[Stack]:  # noqa: F811
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """Like the compose file's Redis: it requires a password (REDIS_PASSWORD)."""
+    server = RedisServer(tmp_path / "redis", password=COMPOSE_TEST_PASSWORD)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def sim_stack(redis_server: RedisServer, tmp_path: Path) -> Iterator[Stack]:
     from kvrouter.tinymodel import ensure_tokenizer
 
     if not redis_mode_follows_events():
@@ -153,7 +174,7 @@ def sim_stack(redis_server: RedisServer, tmp_path: Path) -> Iterator[Stack]:  # 
 
         relay = [str(item) for item in services["relay"]["command"]]
         relay = replace_value(relay, "--replicas", str(stack.fleet_file))
-        relay = replace_value(relay, "--redis-url", redis_server.url)
+        assert "--redis-url" not in relay  # the URL with its password comes from the environment
         relay_port = free_port()
         stack.relay_command = [*replace_value(relay, "--metrics-port", str(relay_port)), "--metrics-host", "127.0.0.1"]
         stack.start_relay()

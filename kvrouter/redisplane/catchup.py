@@ -4,6 +4,12 @@ Both the router's follower (at start and after any doubt) and a restarting relay
 the entry it follows (``<epoch>-<n>``); the entries after it must continue that numbering without a hole. A hole
 means the stream moved on underneath the read (two snapshots were written meanwhile, or the epoch changed), so
 the read starts over; `attempts` bounds how often.
+
+Hostile data. A snapshot that does not decode raises `CorruptReplica` (reason ``snapshot``); so does a stream
+entry without its ``e`` field or one that does not decode, unless ``skip_bad_entries`` is set (the router's
+follower): then the entry is skipped and counted in `Catchup.skipped`, and the follower reloads once a newer
+snapshot covers it. A relay reading its own state back wants all or nothing, and starts a new epoch instead.
+Redis errors on a key of the wrong type (``WRONGTYPE``) pass through as `redis.exceptions.ResponseError`.
 """
 
 from __future__ import annotations
@@ -13,12 +19,22 @@ from typing import cast
 
 from redis.asyncio import Redis
 
-from kvrouter.redisplane.entries import EntryCodec, Op
-from kvrouter.redisplane.layout import Position, ReplicaKeys
+from kvrouter.redisplane.entries import DECODE_ERRORS, Entry, EntryCodec, Op
+from kvrouter.redisplane.layout import MAX_EPOCH, Position, ReplicaKeys
 
 
 class CatchupError(Exception):
     """The replica's snapshot and stream never lined up within the attempts allowed."""
+
+    reason = "gap"
+
+
+class CorruptReplica(CatchupError):
+    """What Redis holds for the replica does not decode (`reason`: ``snapshot`` or ``entry``)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -32,20 +48,49 @@ class Catchup:
     stream_entries: int
     stream_blocks: int
     """Blocks touched by the entries since the snapshot."""
+    snapshot_id: str = ""
+    """The snapshot's stream id (``<epoch>-<n>``) as loaded."""
+    skipped: int = 0
+    """Entries that did not decode and were skipped (only with ``skip_bad_entries``)."""
+
+
+def decode_entry(codec: EntryCodec, fields: object) -> Entry:
+    """A stream entry's fields (``{b"e": blob}``) decoded; raises one of `DECODE_ERRORS`, KeyError or TypeError."""
+    return codec.entry(cast(dict[bytes, bytes], fields)[b"e"])
+
+
+ENTRY_ERRORS = (*DECODE_ERRORS, KeyError, TypeError)
+"""What `decode_entry` raises for an entry that is not ours: bad msgpack, bad values, no ``e`` field."""
 
 
 async def read_replica(
-    redis: Redis, keys: ReplicaKeys, codec: EntryCodec, *, attempts: int = 5, chunk: int = 2000
+    redis: Redis,
+    keys: ReplicaKeys,
+    codec: EntryCodec,
+    *,
+    attempts: int = 5,
+    chunk: int = 2000,
+    skip_bad_entries: bool = False,
 ) -> Catchup | None:
     """The replica's state as Redis vouches for it, or None when Redis holds nothing for it."""
+    mismatched = False
     for _ in range(attempts):
         if not await redis.exists(keys.meta):
             return None
+        meta_epoch = int(cast(bytes, await redis.hget(keys.meta, "epoch") or b"-1"))  # ValueError: bad meta
         blob = await redis.get(keys.snapshot)
         if blob is None:
             continue
-        snapshot = codec.snapshot(cast(bytes, blob))
+        try:
+            snapshot = codec.snapshot(cast(bytes, blob))
+        except DECODE_ERRORS as error:
+            raise CorruptReplica(f"{keys.replica}: the snapshot does not decode: {error}", "snapshot") from None
+        if snapshot.epoch != meta_epoch or snapshot.epoch >= MAX_EPOCH:
+            # The scripts write both at once: a mismatch is a new epoch between the two reads, or garbage.
+            mismatched = True
+            continue
         position = Position(snapshot.epoch, snapshot.n)
+        skipped = 0
         ops: list[Op] = list(snapshot.blocks)
         engine_seqs = snapshot.engine_seqs
         entries_read = 0
@@ -61,12 +106,19 @@ async def read_replica(
                 if not following.follows(position):
                     complete = False
                     break
-                entry = codec.entry(fields[b"e"])
+                position = following
+                entries_read += 1
+                try:
+                    entry = decode_entry(codec, fields)
+                except ENTRY_ERRORS as error:
+                    if not skip_bad_entries:
+                        message = f"{keys.replica}: entry {following.stream_id} does not decode: {error!r}"
+                        raise CorruptReplica(message, "entry") from None
+                    skipped += 1
+                    continue
                 ops.extend(entry.ops)
                 stream_blocks += sum(op.count for op in entry.ops)
                 engine_seqs = entry.engine_seqs
-                position = following
-                entries_read += 1
             if not complete or len(batch) < chunk:
                 break
         if complete:
@@ -78,5 +130,9 @@ async def read_replica(
                 sum(block.count for block in snapshot.blocks),
                 entries_read,
                 stream_blocks,
+                f"{snapshot.epoch}-{snapshot.n}",
+                skipped,
             )
+    if mismatched:
+        raise CorruptReplica(f"{keys.replica}: the snapshot's epoch does not match the meta hash", "snapshot")
     raise CatchupError(f"{keys.replica}: snapshot and stream did not line up in {attempts} attempts")

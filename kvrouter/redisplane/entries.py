@@ -9,6 +9,12 @@ fleet's ``hash_seed`` — the meta hash records it and a follower refuses a mism
 Ops (msgpack arrays tagged by their first element): ``[0, rank, tier, hashes, keys]`` stored,
 ``[1, rank, tier, hashes]`` removed, ``[2, rank|nil]`` cleared (nil: every data-parallel rank).
 A snapshot is a replica's complete state as ``Stored`` ops, one per (rank, tier), plus the entry it follows.
+
+Decoding validates, so nothing past `EntryCodec` sees a value the index could choke on: ranks in
+``[0, MAX_RANK)`` (the largest ``data_parallel_size`` the config allows), tiers known to `Tier`, packed arrays of
+whole u64s with as many keys as hashes, non-negative sequence numbers. Anything else raises
+``msgspec.ValidationError`` / ``msgspec.DecodeError`` (`DECODE_ERRORS`), which the follower and the relay count
+and skip: Redis is a shared store, and one hostile or corrupt entry must never stop the event plane.
 """
 
 from __future__ import annotations
@@ -16,10 +22,22 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import Annotated
 
 import msgspec
 
 SNAPSHOT_VERSION = 1
+MAX_RANK = 1024
+"""Data-parallel ranks are below this (`KvEventsConfig.data_parallel_size` is at most 1024)."""
+MAX_TIER = 2
+"""`kvrouter.typedefs.Tier.STORAGE`, the highest tier."""
+
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANK)]
+TierValue = Annotated[int, msgspec.Meta(ge=0, le=MAX_TIER)]
+Seq = Annotated[int, msgspec.Meta(ge=0)]
+
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
+"""What a hostile entry or snapshot raises from `EntryCodec` (ValidationError covers the range checks)."""
 
 
 def pack_u64(values: Iterable[int]) -> bytes:
@@ -39,11 +57,22 @@ def unpack_u64(data: bytes) -> list[int]:
     return values.tolist()
 
 
+def _check_packed(*arrays: bytes) -> None:
+    for data in arrays:
+        if len(data) % 8:
+            raise ValueError(f"packed u64 array has {len(data)} bytes, not a multiple of 8")
+
+
 class Stored(msgspec.Struct, array_like=True, frozen=True, tag=0):
-    rank: int
-    tier: int
+    rank: Rank
+    tier: TierValue
     hashes: bytes
     keys: bytes
+
+    def __post_init__(self) -> None:
+        _check_packed(self.hashes, self.keys)
+        if len(self.hashes) != len(self.keys):
+            raise ValueError("hashes and keys differ in length")
 
     @classmethod
     def of(cls, rank: int, tier: int, hashes: Sequence[int], keys: Sequence[int]) -> Stored:
@@ -57,9 +86,12 @@ class Stored(msgspec.Struct, array_like=True, frozen=True, tag=0):
 
 
 class Removed(msgspec.Struct, array_like=True, frozen=True, tag=1):
-    rank: int
-    tier: int
+    rank: Rank
+    tier: TierValue
     hashes: bytes
+
+    def __post_init__(self) -> None:
+        _check_packed(self.hashes)
 
     @classmethod
     def of(cls, rank: int, tier: int, hashes: Sequence[int]) -> Removed:
@@ -71,7 +103,7 @@ class Removed(msgspec.Struct, array_like=True, frozen=True, tag=1):
 
 
 class Cleared(msgspec.Struct, array_like=True, frozen=True, tag=2):
-    rank: int | None = None
+    rank: Rank | None = None
 
     @property
     def count(self) -> int:
@@ -85,7 +117,7 @@ class Entry(msgspec.Struct, array_like=True, frozen=True):
     """One stream entry: the ops of one or more engine batches; `engine_seqs` is the last sequence number
     applied per data-parallel rank (where a restarted relay resumes)."""
 
-    engine_seqs: dict[int, int]
+    engine_seqs: dict[Rank, Seq]
     ops: list[Op]
 
 
@@ -93,9 +125,9 @@ class Snapshot(msgspec.Struct, array_like=True, frozen=True):
     """A replica's whole state right after entry ``<epoch>-<n>``."""
 
     version: int
-    epoch: int
-    n: int
-    engine_seqs: dict[int, int]
+    epoch: Seq
+    n: Seq
+    engine_seqs: dict[Rank, Seq]
     hash_seed: int
     blocks: list[Stored]
 

@@ -12,6 +12,19 @@ injected random source) and resumes or reloads as above. Meanwhile the index kee
 routing goes on (load plus provisional entries); if Redis stays away longer than ``forget_after_s`` the
 event-derived blocks are dropped. ``health()`` reports the source's state for metrics and /ready.
 
+Hostile or broken data (Redis is shared; see docs/reliability.md, "Hostile Redis entries and Redis access").
+Every replica is guarded on its own: an entry that does not decode (or lacks its field, or fails the range checks
+in `entries`) is skipped, counted per reason in `problems` and logged once per minute; the replica is then
+*tainted* and reloads as soon as the relay writes a newer snapshot. An op the index refuses, a new epoch or a gap
+in the numbering reloads the replica at once. A replica whose snapshot does not decode, whose keys hold another
+Redis type, whose meta is not numbers or whose snapshot and stream never line up is *quarantined*: its blocks are
+dropped (never credited without a voucher), it leaves the XREAD, and its reload is retried with back-off
+(``resync_initial_s`` .. ``resync_max_s``) while the other replicas keep flowing. Only Redis itself going away
+(connection, timeout, authentication, TLS) ends a session. Any other exception ends the session too, is counted
+(``internal``), marks the follower unready until a session is up again, and the loop goes on with back-off; if
+the task itself ends, it is restarted with back-off and /ready says not ready meanwhile. A router whose Redis
+refuses its credentials before the index was ever loaded stays not ready (a misconfiguration, not an outage).
+
 Knobs (`FollowerKnobs`): ``block_ms`` (XREAD block time), ``count`` (entries per XREAD), back-off bounds,
 ``streams_per_read`` (None: one XREAD for all replicas — single Redis or Sentinel; 1 on Redis Cluster, where
 keys of different replicas live in different slots), ``forget_after_s``, ``startup_grace_s`` (how long an
@@ -24,18 +37,20 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from kvrouter.config import FleetConfig, ReplicaConfig
-from kvrouter.redisplane.catchup import Catchup, CatchupError, read_replica
+from kvrouter.redisplane.catchup import ENTRY_ERRORS, Catchup, CatchupError, decode_entry, read_replica
 from kvrouter.redisplane.clients import redis_from_url
 from kvrouter.redisplane.entries import EntryCodec, Op, Removed, Stored, unpack_u64
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, Position, ReplicaKeys, replica_keys
+from kvrouter.redisplane.problems import SESSION_ERRORS, ApplyFailed, ProblemLog, replica_reason, session_reason
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 log = logging.getLogger(__name__)
@@ -75,6 +90,11 @@ class FollowerKnobs:
     forget_after_s: float = 60.0
     startup_grace_s: float = 10.0
     apply_chunk_blocks: int = 65536
+    resync_initial_s: float = 0.5
+    """First retry of a quarantined replica's reload; doubles up to `resync_max_s`."""
+    resync_max_s: float = 10.0
+    taint_check_s: float = 1.0
+    """How often a replica that skipped entries checks (one HGET) whether a newer snapshot covers them."""
 
 
 @dataclass(slots=True)
@@ -88,6 +108,15 @@ class FollowedReplica:
     """Redis holds state written with another hash seed: followed but not applied."""
     reloads: int = 0
     entries: int = 0
+    resync: bool = False
+    """Reload before the next read (new epoch, gap, an op the index refused)."""
+    broken_until: float | None = None
+    """Quarantined: Redis holds data for it that cannot be loaded; retried at this time (the follower's clock)."""
+    broken_delay: float = 0.0
+    snapshot_id: str = ""
+    tainted: bool = False
+    """Entries were skipped since the snapshot loaded: reload once a newer snapshot is written."""
+    taint_checked: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +128,10 @@ class FollowerHealth:
     entries: int
     vouched: dict[str, bool]
     last_error: str | None
+    problems: dict[tuple[str, str], int] = field(default_factory=dict)
+    quarantined: dict[str, bool] = field(default_factory=dict)
+    session_errors: dict[str, int] = field(default_factory=dict)
+    loop_restarts: int = 0
 
 
 def connect_redis(url: str, *, block_ms: int = 1000, socket_timeout_s: float | None = None) -> Redis:
@@ -131,12 +164,19 @@ class RedisFollower:
         self.sleep = sleep
         self.codec = EntryCodec()
         self.prefix = prefix
-        self.replicas = {r: FollowedReplica(replica_keys(r, prefix)) for r in replicas}
+        self.replicas = {r: self._followed(r) for r in replicas}
         self._by_stream = {f.keys.stream.encode(): f for f in self.replicas.values()}
         self.loaded = asyncio.Event()
         self.connected = False
         self.failures = 0
         self.last_error: str | None = None
+        self.problems = ProblemLog(log, clock)
+        self.session_errors: Counter[str] = Counter()
+        self.auth_failed = False
+        self.crashed = False
+        """The loop hit an unexpected error (or its task ended) and no session is up since: not ready."""
+        self.loop_restarts = 0
+        self._restart_delay = self.knobs.backoff_initial_s
         self._started = clock()
         self._down_since: float | None = None
         self._membership_changed = False
@@ -148,9 +188,19 @@ class RedisFollower:
 
     # ---- health ---------------------------------------------------------------------------------------------
 
+    def _followed(self, replica: ReplicaName) -> FollowedReplica:
+        return FollowedReplica(replica_keys(replica, self.prefix), broken_delay=self.knobs.resync_initial_s)
+
     def is_ready(self) -> bool:
-        """Index loaded, or Redis unreachable for longer than the start-up grace (then routing goes on load)."""
-        return self.loaded.is_set() or self.clock() - self._started >= self.knobs.startup_grace_s
+        """Index loaded, or Redis unreachable for longer than the start-up grace (then routing goes on load) —
+        but never while the loop is broken, nor while Redis refuses our credentials before anything loaded."""
+        if self.crashed or (self._task is not None and self._task.done() and not self._stopping):
+            return False
+        if self.loaded.is_set():
+            return True
+        if self.auth_failed:
+            return False
+        return self.clock() - self._started >= self.knobs.startup_grace_s
 
     def health(self) -> FollowerHealth:
         return FollowerHealth(
@@ -161,6 +211,10 @@ class RedisFollower:
             entries=sum(f.entries for f in self.replicas.values()),
             vouched={r: f.vouched for r, f in self.replicas.items()},
             last_error=self.last_error,
+            problems=dict(self.problems.counts),
+            quarantined={r: f.broken_until is not None for r, f in self.replicas.items()},
+            session_errors=dict(self.session_errors),
+            loop_restarts=self.loop_restarts,
         )
 
     # ---- the loop -------------------------------------------------------------------------------------------
@@ -168,7 +222,7 @@ class RedisFollower:
     async def follow(self, fleet: FleetConfig, replica: ReplicaConfig) -> None:
         """Start following one more replica (live fleet reload); its state loads in the next session."""
         if replica.replica not in self.replicas and replica.kv_events is not None:
-            followed = FollowedReplica(replica_keys(replica.replica, self.prefix))
+            followed = self._followed(replica.replica)
             self.replicas[replica.replica] = followed
             self._by_stream[followed.keys.stream.encode()] = followed
             self._membership_changed = True
@@ -187,16 +241,40 @@ class RedisFollower:
         await self.stop()
 
     def start(self) -> asyncio.Task[None]:
+        self._stopping = False
         self._task = asyncio.create_task(self.run(), name="kvrouter-redis-events")
+        self._task.add_done_callback(self._ended)
         return self._task
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """`run` never returns; if its task ends anyway (cancelled by someone else, a BaseException), restart it
+        with back-off. Until then `is_ready` is False."""
+        if self._stopping or task is not self._task:
+            return
+        error = None if task.cancelled() else task.exception()
+        self.loop_restarts += 1
+        self._distrust()
+        log.error("redis event follower stopped (%r); restarting in %.1fs", error, self._restart_delay)
+        delay, self._restart_delay = self._restart_delay, min(self._restart_delay * 2, self.knobs.backoff_max_s)
+        asyncio.get_running_loop().call_later(delay, self._restart, task)
+
+    def _distrust(self) -> None:
+        """The loop broke somewhere unknown (perhaps mid-entry): not ready, and every replica reloads."""
+        self.crashed = True
+        for followed in self.replicas.values():
+            followed.position = None
+
+    def _restart(self, ended: asyncio.Task[None]) -> None:
+        if not self._stopping and self._task is ended:
+            self.start()
 
     async def stop(self) -> None:
         """Cancel `run` and wait for it. A cancel that lands as a blocking XREAD starts can be swallowed inside
         the client's read timeout; closing the client's sockets then ends the read at once."""
+        self._stopping = True
         task, self._task = self._task, None
         if task is None:
             return
-        self._stopping = True
         task.cancel()
         done, _ = await asyncio.wait([task], timeout=1.0)
         if not done and self._redis is not None:
@@ -209,15 +287,22 @@ class RedisFollower:
         """Follow until cancelled; never raises on Redis trouble."""
         delay = self.knobs.backoff_initial_s
         while True:
-            redis = self._redis = self.connect()
+            redis: Redis | None = None
             try:
+                redis = self._redis = self.connect()
                 await self._session(redis)
             except _Resubscribe:
                 continue
             except (RedisError, OSError, CatchupError) as error:
                 self._went_down(error)
+            except Exception as error:
+                # A bug, or data that slipped past every guard: never end following over it.
+                log.exception("redis event follower: unexpected error; the session restarts")
+                self._distrust()
+                self._went_down(error)
             finally:
-                await self._close(redis)
+                if redis is not None:
+                    await self._close(redis)
             await self.sleep(delay * (0.5 + self.rng.random()))
             delay = min(delay * 2, self.knobs.backoff_max_s)
             if self.connected:
@@ -230,8 +315,14 @@ class RedisFollower:
             await asyncio.wait_for(redis.aclose(), 1.0)
 
     def _went_down(self, error: BaseException) -> None:
+        reason = session_reason(error)
         if (self.connected or self.last_error is None) and not self._stopping:
-            log.warning("redis event source unavailable: %s", error)
+            if reason == "auth":
+                log.error("redis event source refused our credentials (check the password in the Redis URL): %s", error)
+            else:
+                log.warning("redis event source unavailable (%s): %s", reason, error)
+        self.auth_failed = reason == "auth"
+        self.session_errors[reason] += 1
         self.connected = False
         self.failures += 1
         self.last_error = f"{type(error).__name__}: {error}"
@@ -247,11 +338,14 @@ class RedisFollower:
     async def _session(self, redis: Redis) -> None:
         self._membership_changed = False
         await redis.ping()
-        for followed in self.replicas.values():
-            await self._resume_or_reload(redis, followed)
+        for followed in list(self.replicas.values()):
+            await self._resync(redis, followed, resume=True)
         self.connected = True
         self._down_since = None
         self.last_error = None
+        self.auth_failed = False
+        self.crashed = False
+        self._restart_delay = self.knobs.backoff_initial_s
         self.loaded.set()
         groups = self._groups()
         if not groups:
@@ -261,10 +355,10 @@ class RedisFollower:
                 await self.sleep(self.knobs.block_ms / 1000)
             raise _Resubscribe
         if len(groups) == 1:
-            await self._follow(redis, groups[0])
+            await self._follow_guarded(redis, groups[0])
             return
         # Not a TaskGroup: its ExceptionGroup would hide the Redis error `run` retries on.
-        tasks = [asyncio.create_task(self._follow(redis, group)) for group in groups]
+        tasks = [asyncio.create_task(self._follow_guarded(redis, group)) for group in groups]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -287,10 +381,41 @@ class RedisFollower:
                 return
         await self._reload(redis, followed)
 
+    async def _resync(self, redis: Redis, followed: FollowedReplica, *, resume: bool = False) -> None:
+        """Resume or reload one replica; a failure confined to its data quarantines it (counted, logged, its
+        blocks dropped, retried with back-off) instead of ending the session for every replica."""
+        followed.resync = False
+        try:
+            if resume:
+                await self._resume_or_reload(redis, followed)
+            else:
+                await self._reload(redis, followed)
+        except SESSION_ERRORS:
+            raise
+        except Exception as error:
+            self._quarantine(followed, replica_reason(error), error)
+        else:
+            followed.broken_until = None
+            followed.broken_delay = self.knobs.resync_initial_s
+
+    def _quarantine(self, followed: FollowedReplica, reason: str, error: BaseException) -> None:
+        self.problems.count(followed.keys.replica, reason, f"{type(error).__name__}: {error}")
+        self._drop(followed)
+        followed.position = None
+        followed.tainted = False
+        followed.broken_until = self.clock() + followed.broken_delay
+        followed.broken_delay = min(followed.broken_delay * 2, self.knobs.resync_max_s)
+
     async def _reload(self, redis: Redis, followed: FollowedReplica) -> None:
-        catchup = await read_replica(redis, followed.keys, self.codec)
+        catchup = await read_replica(redis, followed.keys, self.codec, skip_bad_entries=True)
         followed.reloads += 1
         await self._replace(followed, catchup)
+        followed.snapshot_id = catchup.snapshot_id if catchup is not None else ""
+        followed.tainted = catchup is not None and catchup.skipped > 0
+        followed.taint_checked = self.clock()
+        if followed.tainted:
+            assert catchup is not None
+            self.problems.count(followed.keys.replica, "undecodable", f"{catchup.skipped} entries skipped on reload")
 
     async def _replace(self, followed: FollowedReplica, catchup: Catchup | None) -> None:
         """Swap the replica's blocks for what Redis vouches for. The old blocks go first, at once; the new ones
@@ -306,7 +431,9 @@ class RedisFollower:
             if not followed.refused:
                 log.error(
                     "replica %s: Redis holds keys made with hash seed %d, this router uses %d; ignoring them",
-                    followed.keys.replica, catchup.hash_seed, self.hash_seed,
+                    followed.keys.replica,
+                    catchup.hash_seed,
+                    self.hash_seed,
                 )
             followed.refused = True
             return
@@ -317,10 +444,16 @@ class RedisFollower:
             if isinstance(op, Stored) and op.count > chunk:
                 for start in range(0, op.count, chunk):
                     piece = slice(start * 8, (start + chunk) * 8)
-                    self._apply(followed, [Stored(op.rank, op.tier, op.hashes[piece], op.keys[piece])])
+                    self._apply_checked(followed, [Stored(op.rank, op.tier, op.hashes[piece], op.keys[piece])])
                     await asyncio.sleep(0)
             else:
-                self._apply(followed, [op])
+                self._apply_checked(followed, [op])
+
+    def _apply_checked(self, followed: FollowedReplica, ops: Iterable[Op]) -> None:
+        try:
+            self._apply(followed, ops)
+        except Exception as error:
+            raise ApplyFailed(f"{type(error).__name__}: {error}") from error
 
     def _drop(self, followed: FollowedReplica) -> None:
         for rank in sorted(followed.ranks):
@@ -352,14 +485,43 @@ class RedisFollower:
                 sink.clear(replica, dp_rank=op.rank)
                 followed.ranks.discard(op.rank)
 
+    async def _follow_guarded(self, redis: Redis, group: list[FollowedReplica]) -> None:
+        """`_follow`, restarted after anything but a session error: a failure of one group's task is counted
+        (``internal``) for its replicas, which reload, and never ends following silently."""
+        delay = self.knobs.backoff_initial_s
+        while True:
+            try:
+                await self._follow(redis, group)
+            except (_Resubscribe, *SESSION_ERRORS):
+                raise
+            except Exception as error:
+                log.exception("redis event follower: reading %d replica(s) failed", len(group))
+                for followed in group:
+                    self.problems.count(followed.keys.replica, "internal", f"{type(error).__name__}: {error}")
+                    followed.resync = True
+                await self.sleep(delay)
+                delay = min(delay * 2, self.knobs.backoff_max_s)
+
     async def _follow(self, redis: Redis, group: list[FollowedReplica]) -> None:
         while True:
             if self._membership_changed:
                 raise _Resubscribe
+            await self._repair(redis, group)
+            live = [f for f in group if f.broken_until is None and f.keys.replica in self.replicas]
+            if not live:
+                # Every replica of the group is quarantined: still notice Redis going away, then retry them.
+                await redis.ping()
+                await self.sleep(min(self.knobs.block_ms / 1000, self.knobs.resync_initial_s))
+                continue
             streams: dict[Any, Any] = {
-                f.keys.stream: f.position.stream_id if f.position is not None else "0-0" for f in group
+                f.keys.stream: f.position.stream_id if f.position is not None else "0-0" for f in live
             }
-            reply = await redis.xread(streams, count=self.knobs.count, block=self.knobs.block_ms)
+            try:
+                reply = await redis.xread(streams, count=self.knobs.count, block=self.knobs.block_ms)
+            except ResponseError as error:
+                # One key of the XREAD is not a stream (or the ACL denies it): find it, quarantine it alone.
+                await self._find_unreadable(redis, live, error)
+                continue
             # RESP2 answers a list of [stream, entries] pairs, RESP3 a map.
             pairs = cast(
                 Iterable[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]],
@@ -367,14 +529,61 @@ class RedisFollower:
             )
             for stream, entries in pairs:
                 followed = self._by_stream.get(stream)
-                if followed is None:
-                    continue
-                for stream_id, fields in entries:
-                    position = Position.parse(stream_id)
-                    if followed.position is None or not position.follows(followed.position):
-                        await self._reload(redis, followed)
-                        break
-                    followed.position = position
-                    followed.entries += 1
-                    if followed.vouched:
-                        self._apply(followed, self.codec.entry(fields[b"e"]).ops)
+                if followed is not None:
+                    self._take(followed, entries)
+
+    async def _repair(self, redis: Redis, group: list[FollowedReplica]) -> None:
+        """Reload the group's replicas that asked for it, whose quarantine ended, or whose skipped entries a
+        newer snapshot now covers."""
+        now = self.clock()
+        for followed in group:
+            if followed.resync or (followed.broken_until is not None and now >= followed.broken_until):
+                await self._resync(redis, followed)
+            elif followed.tainted and now - followed.taint_checked >= self.knobs.taint_check_s:
+                followed.taint_checked = now
+                try:
+                    snapshot_id = await redis.hget(followed.keys.meta, "snapshot_id")
+                except ResponseError:
+                    snapshot_id = b"?"
+                text = snapshot_id.decode(errors="replace") if isinstance(snapshot_id, bytes) else snapshot_id
+                if text is not None and text != followed.snapshot_id:
+                    await self._resync(redis, followed)
+
+    async def _find_unreadable(self, redis: Redis, live: list[FollowedReplica], error: ResponseError) -> None:
+        found = False
+        for followed in live:
+            try:
+                await redis.xread({followed.keys.stream: "0-0"}, count=1)
+            except ResponseError as own:
+                self._quarantine(followed, replica_reason(own), own)
+                found = True
+        if not found:
+            # Not one key's fault (a transient refusal): wait a little rather than spin.
+            log.warning("redis event follower: XREAD refused (%s); retrying", error)
+            await self.sleep(self.knobs.block_ms / 1000)
+
+    def _take(self, followed: FollowedReplica, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        """Apply one replica's new entries in order; stop at the first that asks for a reload."""
+        replica = followed.keys.replica
+        for stream_id, fields in entries:
+            position = Position.parse(stream_id)
+            if followed.position is None or not position.follows(followed.position):
+                followed.resync = True  # a new epoch or a hole: reload from the snapshot
+                return
+            followed.position = position
+            followed.entries += 1
+            if not followed.vouched:
+                continue
+            try:
+                entry = decode_entry(self.codec, fields)
+            except ENTRY_ERRORS as error:
+                reason = "missing_field" if isinstance(error, KeyError) else "undecodable"
+                self.problems.count(replica, reason, f"entry {position.stream_id}: {error!r}")
+                followed.tainted = True  # its ops are lost until a newer snapshot: reload then
+                continue
+            try:
+                self._apply(followed, entry.ops)
+            except Exception as error:
+                self.problems.count(replica, "apply_failed", f"entry {position.stream_id}: {error!r}")
+                followed.resync = True
+                return

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from kvrouter.typedefs import ReplicaName
 
 DEFAULT_PREFIX = "kvrouter"
+MAX_EPOCH = 1 << 53
+"""Epochs are wall-clock milliseconds (~1.8e12 today); a larger one in Redis is garbage, never followed or built on
+(a follower positioned there would never see the relay's real entries again)."""
 
 
 @dataclass(frozen=True, slots=True)

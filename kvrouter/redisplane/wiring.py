@@ -5,11 +5,16 @@ Metrics: ``kvrouter_redis_events_up`` (1 while Redis answers and the streams are
 ``kvrouter_redis_events_loaded`` (1 once every replica's state was loaded: the index is complete),
 ``kvrouter_redis_events_failures_total`` (sessions ended by a Redis error), and per replica
 ``kvrouter_redis_events_vouched`` (Redis holds state for it), ``kvrouter_redis_events_reloads_total`` and
-``kvrouter_redis_events_entries_total``.
+``kvrouter_redis_events_entries_total``. Hostile or broken data and access: per replica
+``kvrouter_redis_events_problems_total{replica,reason}`` (entries or keys skipped, see `problems`) and
+``kvrouter_redis_events_quarantined`` (1 while its Redis data cannot be loaded and its reload is retried),
+``kvrouter_redis_events_session_errors_total{reason}`` (``connection``, ``auth``, ``tls``, ``internal``) and
+``kvrouter_redis_events_loop_restarts_total``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -18,8 +23,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvrouter.config import FleetConfig
-from kvrouter.redisplane.clients import is_cluster
-from kvrouter.redisplane.follower import BlockSink, FollowerKnobs, RedisFollower, connect_redis
+from kvrouter.redisplane.clients import is_cluster, masked_url
+from kvrouter.redisplane.follower import BlockSink, FollowerHealth, FollowerKnobs, RedisFollower, connect_redis
+
+log = logging.getLogger(__name__)
 
 
 class FollowerCollector(Collector):
@@ -29,34 +36,71 @@ class FollowerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         health = self.follower.health()
         yield GaugeMetricFamily(
-            "kvrouter_redis_events_up", "1 while Redis answers and the event streams are followed.",
+            "kvrouter_redis_events_up",
+            "1 while Redis answers and the event streams are followed.",
             value=1.0 if health.connected else 0.0,
         )
         yield GaugeMetricFamily(
-            "kvrouter_redis_events_loaded", "1 once every replica's state was loaded from Redis (index complete).",
+            "kvrouter_redis_events_loaded",
+            "1 once every replica's state was loaded from Redis (index complete).",
             value=1.0 if health.loaded else 0.0,
         )
         yield CounterMetricFamily(
             "kvrouter_redis_events_failures", "Follower sessions ended by a Redis error.", value=health.failures
         )
         vouched = GaugeMetricFamily(
-            "kvrouter_redis_events_vouched", "1 when Redis holds state for the replica (a relay writes it).",
+            "kvrouter_redis_events_vouched",
+            "1 when Redis holds state for the replica (a relay writes it).",
             labels=["replica"],
         )
         reloads = CounterMetricFamily(
-            "kvrouter_redis_events_reloads", "Full reloads of a replica's state (start, new epoch, gap).",
+            "kvrouter_redis_events_reloads",
+            "Full reloads of a replica's state (start, new epoch, gap).",
             labels=["replica"],
         )
         entries = CounterMetricFamily(
             "kvrouter_redis_events_entries", "Stream entries applied per replica.", labels=["replica"]
         )
+        quarantined = GaugeMetricFamily(
+            "kvrouter_redis_events_quarantined",
+            "1 while the replica's data in Redis cannot be loaded (its blocks dropped, reload retried).",
+            labels=["replica"],
+        )
         for name, followed in self.follower.replicas.items():
             vouched.add_metric([name], 1.0 if followed.vouched else 0.0)
             reloads.add_metric([name], followed.reloads)
             entries.add_metric([name], followed.entries)
+            quarantined.add_metric([name], 1.0 if health.quarantined.get(name) else 0.0)
         yield vouched
         yield reloads
         yield entries
+        yield quarantined
+        yield from self._problems(health)
+
+    @staticmethod
+    def _problems(health: FollowerHealth) -> Iterator[Metric]:
+        problems = CounterMetricFamily(
+            "kvrouter_redis_events_problems",
+            "Entries or keys in Redis the follower skipped, per replica and reason (undecodable, missing_field, "
+            "apply_failed, snapshot, wrong_type, bad_meta, gap, internal ...).",
+            labels=["replica", "reason"],
+        )
+        for (replica, reason), count in sorted(health.problems.items()):
+            problems.add_metric([replica, reason], count)
+        yield problems
+        errors = CounterMetricFamily(
+            "kvrouter_redis_events_session_errors",
+            "Follower sessions ended, by reason (connection, auth, tls, internal).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(health.session_errors.items()):
+            errors.add_metric([reason], count)
+        yield errors
+        yield CounterMetricFamily(
+            "kvrouter_redis_events_loop_restarts",
+            "Times the follower's task ended unexpectedly and was restarted.",
+            value=health.loop_restarts,
+        )
 
 
 def build_follower(
@@ -77,4 +121,5 @@ def build_follower(
         knobs=FollowerKnobs(streams_per_read=1 if is_cluster(redis_url) else None),
     )
     registry.register(FollowerCollector(follower))
+    log.info("relay mode: following KV events in Redis at %s", masked_url(redis_url))  # never the password
     return follower

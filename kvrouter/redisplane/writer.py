@@ -18,20 +18,31 @@ router replays (≤ 2 × ratio × size ops) and the write amplification (≤ 16 
 
 On ``STALE`` the writer starts a new epoch from its in-memory state: that state is what the engine told the relay,
 and the epoch bump tells every follower to reload. On a connection error the entries are kept and retried.
+
+Hostile or broken keys (Redis is shared): the relay never stays stuck on what someone else wrote. `verify` (each
+``--verify-interval`` of an idle relay) checks in one O(1) script that the meta hash, the stream's last id and the
+snapshot's length and first bytes are still exactly what this writer wrote; an append refused because the stream
+holds a foreign entry (``XADD`` id order) or a key holds another type (``WRONGTYPE``); a state read back at start
+that does not decode or does not line up — each is counted in `problems` per reason and answered by a new epoch
+from the relay's own authoritative state (the create script deletes whatever the keys held).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from kvrouter.redisplane.catchup import read_replica
+from kvrouter.redisplane.catchup import Catchup, CatchupError, read_replica
 from kvrouter.redisplane.entries import SNAPSHOT_VERSION, Cleared, Entry, EntryCodec, Op, Snapshot
-from kvrouter.redisplane.layout import Position, ReplicaKeys
+from kvrouter.redisplane.layout import MAX_EPOCH, Position, ReplicaKeys
+from kvrouter.redisplane.problems import ProblemLog
 from kvrouter.redisplane.state import ReplicaState
+
+log = logging.getLogger(__name__)
 
 _APPEND = """
 local meta = redis.call('HMGET', KEYS[1], 'epoch', 'n')
@@ -69,6 +80,28 @@ redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'n', 0, 'engine_seq', ARGV[2], 'sn
   'updated_ms', ARGV[4], 'hash_seed', ARGV[5])
 return 1
 """
+
+_VERIFY = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return 'stale' end
+if kind ~= 'hash' then return 'wrong_type' end
+local meta = redis.call('HMGET', KEYS[1], 'epoch', 'n')
+if (meta[1] and not tonumber(meta[1])) or (meta[2] and not tonumber(meta[2])) then return 'bad_meta' end
+if meta[1] ~= ARGV[1] or meta[2] ~= ARGV[2] then return 'stale' end
+if redis.call('TYPE', KEYS[2])['ok'] ~= 'stream' then return 'wrong_type' end
+local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+if #top == 0 or top[1][1] ~= ARGV[1] .. '-' .. ARGV[2] then return 'foreign_entry' end
+if ARGV[3] == '' then return 'ok' end
+if redis.call('TYPE', KEYS[3])['ok'] ~= 'string' then return 'wrong_type' end
+if redis.call('STRLEN', KEYS[3]) ~= tonumber(ARGV[3]) or redis.call('GETRANGE', KEYS[3], 0, 63) ~= ARGV[4] then
+  return 'snapshot'
+end
+return 'ok'
+"""
+
+_REPAIRABLE = ("WRONGTYPE", "XADD")
+"""Refusals caused by what the keys hold (another type, a foreign entry above ours), answered by a new epoch.
+Others (out of memory, read-only replica) are Redis's state and are retried like a connection error."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,13 +152,17 @@ class ReplicaWriter:
         self._append = redis.register_script(_APPEND)
         self._snapshot = redis.register_script(_SNAPSHOT)
         self._create = redis.register_script(_CREATE)
+        self._verify = redis.register_script(_VERIFY)
+        self.problems = ProblemLog(log, lambda: clock_ms() / 1000)
+        self._snapshot_mark: tuple[int, bytes] | None = None
+        """Length and first 64 bytes of the snapshot this writer last wrote (what `verify` compares)."""
 
     async def open(self) -> dict[int, int] | None:
         """Load what Redis holds for this replica into the state; the last engine sequence number per DP rank.
 
         Returns None (and plans a new epoch) when Redis has nothing usable: no keys, or another hash seed.
         """
-        catchup = await read_replica(self.redis, self.keys, self.codec)
+        catchup = await self._read_back()
         self.state.reset()
         self._unwritten.clear()
         self._unwritten_blocks = 0
@@ -139,6 +176,23 @@ class ReplicaWriter:
         self._since_snapshot = catchup.stream_blocks
         self._rebuild = False
         return dict(catchup.engine_seqs)
+
+    async def _read_back(self) -> Catchup | None:
+        """What Redis holds, or None (and a problem counted) when it is garbage: the relay rebuilds it."""
+        try:
+            catchup = await read_replica(self.redis, self.keys, self.codec)
+        except (CatchupError, ValueError) as error:
+            self.problems.count(self.keys.replica, getattr(error, "reason", "bad_meta"), error)
+            return None
+        except ResponseError as error:
+            if "WRONGTYPE" not in str(error):
+                raise
+            self.problems.count(self.keys.replica, "wrong_type", error)
+            return None
+        if catchup is not None and catchup.position.epoch >= MAX_EPOCH:
+            self.problems.count(self.keys.replica, "bad_meta", f"epoch {catchup.position.epoch}")
+            return None
+        return catchup
 
     def settled(self) -> bool:
         """Nothing recorded or encoded is waiting to be written."""
@@ -157,12 +211,20 @@ class ReplicaWriter:
         if self.position is None:
             self._rebuild = True
             return False
-        epoch, n = await self.redis.hmget(self.keys.meta, ["epoch", "n"])
-        if epoch is None or n is None or Position(int(epoch), int(n)) != self.position:
+        length, head = self._snapshot_mark or (None, b"")
+        verdict = await self._verify(
+            keys=[self.keys.meta, self.keys.stream, self.keys.snapshot],
+            args=[self.position.epoch, self.position.n, "" if length is None else length, head],
+        )
+        verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
+        if verdict == "ok":
+            return True
+        if verdict == "stale":
             self.stats.stale += 1
-            self._rebuild = True
-            return False
-        return True
+        else:
+            self.problems.count(self.keys.replica, verdict, "Redis no longer holds what this relay wrote")
+        self._rebuild = True
+        return False
 
     async def flush(self, engine_seqs: dict[int, int]) -> None:
         """Write every pending op; `engine_seqs` is the last engine sequence number applied per DP rank.
@@ -209,10 +271,7 @@ class ReplicaWriter:
                 args=[self.position.epoch, self.position.n, self._seqs_text(), self.clock_ms(), *self._unwritten],
             )
         except ResponseError as error:
-            if "STALE" not in str(error):
-                raise
-            self.stats.stale += 1
-            await self._start_epoch()
+            await self._refused(error)
             return
         self.stats.entries += len(self._unwritten)
         self.position = Position(self.position.epoch, int(n))
@@ -222,37 +281,50 @@ class ReplicaWriter:
 
     async def _write_snapshot(self) -> None:
         assert self.position is not None
+        blob = self._snapshot_blob(self.position)
         try:
             await self._snapshot(
                 keys=[self.keys.meta, self.keys.stream, self.keys.snapshot],
-                args=[self.position.epoch, self.position.n, self._snapshot_blob(self.position), self.clock_ms()],
+                args=[self.position.epoch, self.position.n, blob, self.clock_ms()],
             )
         except ResponseError as error:
-            if "STALE" not in str(error):
-                raise
-            self.stats.stale += 1
-            await self._start_epoch()
+            await self._refused(error)
             return
         self.stats.snapshots += 1
         self._since_snapshot = 0
+        self._snapshot_mark = self._mark(blob)
+
+    async def _refused(self, error: ResponseError) -> None:
+        """A script refused: Redis lost or changed what we wrote (``STALE``), or the keys hold foreign data."""
+        text = str(error)
+        if "STALE" in text:
+            self.stats.stale += 1
+        elif any(marker in text for marker in _REPAIRABLE):
+            self.problems.count(self.keys.replica, "wrong_type" if "WRONGTYPE" in text else "foreign_entry", text)
+        else:
+            raise error
+        await self._start_epoch()
+
+    @staticmethod
+    def _mark(blob: bytes) -> tuple[int, bytes]:
+        return len(blob), blob[:64]
 
     async def _start_epoch(self) -> None:
-        previous = self.position.epoch if self.position is not None else 0
-        meta_epoch = await self.redis.hget(self.keys.meta, "epoch")
-        if meta_epoch is not None:
-            previous = max(previous, int(meta_epoch))
+        previous = self.position.epoch if self.position is not None and self.position.epoch < MAX_EPOCH else 0
+        previous = max(previous, await self._meta_epoch())
         position = Position(max(previous + 1, self.clock_ms()), 0)
         # Ops recorded before the new epoch are already in the state the snapshot carries.
         self.state.take_pending()
         self._unwritten.clear()
         self._unwritten_blocks = 0
         marker = self.codec.encode(Entry(self.engine_seqs, [Cleared(None)]))
+        blob = self._snapshot_blob(position)
         await self._create(
             keys=[self.keys.meta, self.keys.stream, self.keys.snapshot],
             args=[
                 position.epoch,
                 self._seqs_text(),
-                self._snapshot_blob(position),
+                blob,
                 self.clock_ms(),
                 self.hash_seed,
                 marker,
@@ -261,8 +333,18 @@ class ReplicaWriter:
         self.position = position
         self._since_snapshot = 0
         self._rebuild = False
+        self._snapshot_mark = self._mark(blob)
         self.stats.epochs += 1
         self.stats.snapshots += 1
+
+    async def _meta_epoch(self) -> int:
+        """The epoch the meta hash names, so a new one is above it; 0 when the hash is garbage (not built on)."""
+        try:
+            raw = await self.redis.hget(self.keys.meta, "epoch")
+            epoch = int(raw) if raw is not None else 0
+        except (ResponseError, ValueError):
+            return 0
+        return epoch if 0 <= epoch < MAX_EPOCH else 0
 
     def _seqs_text(self) -> str:
         """The meta hash's human-readable ``engine_seq`` ("rank:seq ..."); readers use the entries' own."""
