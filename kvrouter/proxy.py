@@ -299,7 +299,7 @@ class Proxy:
         """
         if answered_elsewhere and len(answered_5xx) == 1:
             replica, reason = answered_5xx[0]
-            self.replicas.record_failure(replica, reason)
+            self.replicas.record_failure(replica, reason, probe_blind=True)
             return
         for replica, _reason in answered_5xx:
             self.replicas.reject(replica, "request_5xx")

@@ -21,9 +21,12 @@ Whose failure is it? A breaker must only count what is the replica's fault, or o
 * 429 is overload, not ill health, and is never counted.
 * a stall: no first byte within `first_byte_timeout_s` while the replica showed no progress on any request
   (no answer headers, no stream chunk, no rise of the engine's token counters in a scrape). That opens the
-  breaker at once and marks it stalled: a passing /health probe does not close a stalled breaker (a hung engine
-  behind a live HTTP server still says 200); only a real request that succeeds there, the half-open trial, does.
-  A replica that is merely slow (queued prefills while it decodes others) shows progress and is waited for.
+  breaker at once and marks it stalled. A replica that is merely slow (queued prefills while it decodes others)
+  shows progress and is waited for.
+Failures a probe cannot see — stalls and 5xx answers charged to the replica — are "probe-blind": a passing /health
+probe neither resets their count nor closes the breaker they opened (a hung or broken engine behind a live HTTP
+server still says 200); only a real request that succeeds there, the half-open trial, does. Connect errors and
+failed probes stay closable by a passing probe, so a restarted replica comes back as soon as it answers /health.
 
 `ReplicaSet.run_probes` and `ReplicaSet.run_scrapes` are the background loops (started from the app factory's
 cleanup context). The scrape reads vLLM's Prometheus text once per `metrics_interval_s` and feeds
@@ -85,7 +88,10 @@ class ReplicaState:
         self.last_error: str | None = None
         self.last_probe_ok: bool | None = None
         self.stalled = False
-        """The breaker was opened by a stall: only a real request's success closes it, never a probe."""
+        """The last request-path failure was a stall (no first byte, no progress)."""
+        self.probe_blind = False
+        """A failure a probe cannot see (a stall, a 5xx to requests) is counted: only a request's success clears
+        it and closes the breaker, never a passing /health probe."""
         self.progress_at = clock()
         """When the replica last showed progress: answer headers, a body chunk, or rising engine token counters."""
         self.engine_tokens: float | None = None
@@ -111,11 +117,12 @@ class ReplicaState:
 
     def record_success(self, *, probe: bool = False) -> None:
         """A success; a probe's does not close a stalled breaker (the HTTP server may answer while the engine hangs)."""
-        if probe and self.stalled:
+        if probe and self.probe_blind:
             return
         self.consecutive_failures = 0
         self._trial = False
         self.stalled = False
+        self.probe_blind = False
         if self._open:
             self._open = False
             self.opens = 0
@@ -128,11 +135,12 @@ class ReplicaState:
         """The replica took a request and showed no progress at all for a whole window: open the breaker now."""
         self.stalled = True
         self.consecutive_failures = max(self.consecutive_failures, self._breaker.failures - 1)
-        return self.record_failure(reason)
+        return self.record_failure(reason, probe_blind=True)
 
-    def record_failure(self, reason: str) -> bool:
+    def record_failure(self, reason: str, *, probe_blind: bool = False) -> bool:
         """Count one failure; True when this failure opened (or re-opened) the breaker."""
         self.last_error = reason
+        self.probe_blind = self.probe_blind or probe_blind
         self.consecutive_failures += 1
         self._trial = False
         half_open = self._open and self._clock() >= self.open_until
@@ -154,6 +162,7 @@ class ReplicaState:
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,
             "last_probe_ok": self.last_probe_ok,
+            "stalled": self.stalled,
             "retry_in_s": round(max(0.0, self.open_until - self._clock()), 3) if state is BreakerState.OPEN else 0,
         }
 
@@ -207,8 +216,10 @@ class ReplicaSet:
         self.draining.discard(name)
         return state
 
-    def record_failure(self, replica: ReplicaState, reason: str, error: BaseException | None = None) -> None:
-        if replica.record_failure(reason):
+    def record_failure(
+        self, replica: ReplicaState, reason: str, error: BaseException | None = None, *, probe_blind: bool = False
+    ) -> None:
+        if replica.record_failure(reason, probe_blind=probe_blind):
             self._metrics.breaker_opens.labels(replica.name).inc()
         if self.on_gone is not None and _refused(error):
             self.on_gone(replica.name)
