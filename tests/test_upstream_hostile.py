@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import Any
 
@@ -136,18 +137,21 @@ async def test_a_poison_request_fails_alone_and_opens_no_breaker(
             await answer.read()
             return answer.status
 
-    bodies = [POISON if i % 3 == 0 else CHAT for i in range(150)]
+    count = int(os.environ.get("KVROUTER_TEST_POISON_REQUESTS", "150"))  # a third of them poison
+    bodies = [POISON if i % 3 == 0 else CHAT for i in range(count)]
+    started = time.perf_counter()
     statuses = await asyncio.gather(*(send(body) for body in bodies))
     honest = [s for s, b in zip(statuses, bodies, strict=True) if b is CHAT]
     poisoned = [s for s, b in zip(statuses, bodies, strict=True) if b is POISON]
-    assert honest == [200] * 100
-    assert poisoned == [500] * 50  # the replicas' own answer, relayed
+    print(f"{len(poisoned)} poison + {len(honest)} honest requests in {time.perf_counter() - started:.2f} s")
+    assert honest == [200] * len(honest)
+    assert poisoned == [500] * len(poisoned)  # the replicas' own answer, relayed
     assert breaker_opens(client) == 0
     assert all(r.state is BreakerState.CLOSED for r in client.app[REPLICAS])
     attributed = sum(
         sample(client, "kvrouter_upstream_rejections_total", replica=r.name, reason="request_5xx") for r in replicas
     )
-    assert attributed == 150  # each poison request was tried on all three replicas
+    assert attributed == 3 * len(poisoned)  # each poison request was tried on all three replicas
 
 
 async def test_a_replica_that_fails_everything_still_opens_its_breaker(
@@ -220,6 +224,7 @@ async def test_a_hung_replica_is_found_out_within_the_first_byte_window(
         assert answer.status == 200 and answer.headers["x-kvrouter-replica"] == "r1"
         await answer.read()
     elapsed = time.perf_counter() - started
+    print(f"4 requests with a hung replica (first_byte_timeout_s=0.5): all 200 in {elapsed:.2f} s")
     state = client.app[REPLICAS].by_name["r0"]
     assert state.stalled and state.state is not BreakerState.CLOSED
     # Probes keep passing, and still do not put the hung replica back: only a real request could.
@@ -304,3 +309,40 @@ async def test_odd_methods_on_passthrough_paths_are_never_charged(
             assert answer.status < 500
     assert breaker_opens(client) == 0
     assert all(r.consecutive_failures == 0 for r in client.app[REPLICAS])
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def test_huge_answers_do_not_grow_the_router(fake_replicas: ReplicaFactory, make_router: RouterFactory) -> None:
+    # Four concurrent answers of KVROUTER_TEST_ANSWER_MB each, capped at KVROUTER_TEST_ANSWER_CAP_MB (the issue's
+    # case: 4 x 300 MB answers, no cap, 3.2 GB RSS).
+    # The fake replica runs in this process too, but it writes 64 KiB at a time: what grows is what the router holds.
+    answer_mb = int(os.environ.get("KVROUTER_TEST_ANSWER_MB", "96"))
+    cap_mb = int(os.environ.get("KVROUTER_TEST_ANSWER_CAP_MB", "8"))
+    replicas = await fake_replicas(1, body_bytes=answer_mb << 20)
+    client = await make_router(replicas, max_upstream_body_bytes=cap_mb << 20)
+    peak = before = rss_mb()
+
+    async def sample_rss() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, rss_mb())
+            await asyncio.sleep(0.005)
+
+    sampler = asyncio.create_task(sample_rss())
+    started = time.perf_counter()
+    try:
+        answers = await asyncio.gather(*(client.post("/v1/completions", json={"prompt": "x"}) for _ in range(4)))
+    finally:
+        sampler.cancel()
+    elapsed = time.perf_counter() - started
+    assert [a.status for a in answers] == [502] * 4
+    growth = peak - before
+    print(f"4 x {answer_mb} MB answers, cap {cap_mb} MiB: RSS growth {growth:.0f} MB, {elapsed:.2f} s")
+    assert growth < 4 * cap_mb * 3 + 40  # four capped reads (parts + join) and slack; never the answers themselves
