@@ -346,3 +346,17 @@ async def test_huge_answers_do_not_grow_the_router(fake_replicas: ReplicaFactory
     growth = peak - before
     print(f"4 x {answer_mb} MB answers, cap {cap_mb} MiB: RSS growth {growth:.0f} MB, {elapsed:.2f} s")
     assert growth < 4 * cap_mb * 3 + 40  # four capped reads (parts + join) and slack; never the answers themselves
+
+
+async def test_a_hung_replica_on_a_passthrough_path_is_found_out_too(
+    fake_replicas: ReplicaFactory, make_router: RouterFactory
+) -> None:
+    replicas = await fake_replicas(2)
+    replicas[0].behaviour.hang = True
+    client = await make_router(replicas, first_byte_timeout_s=0.3, read_timeout_s=600.0)
+    started = time.perf_counter()
+    for _ in range(4):
+        answer = await client.post("/tokenize", json={"prompt": "a"})
+        assert answer.status == 200 and answer.headers["x-kvrouter-replica"] == "r1"
+    assert time.perf_counter() - started < 10.0
+    assert client.app[REPLICAS].by_name["r0"].stalled
