@@ -224,6 +224,27 @@ def load_fleet(path: str | Path) -> FleetConfig:
     return fleet
 
 
+# vLLM's OpenAI-server endpoints that clients use besides completions (vllm/entrypoints/openai/api_server.py and
+# the pooling routers); its operator endpoints are left out on purpose.
+DEFAULT_PASSTHROUGH_PATHS = (
+    "/tokenize",
+    "/detokenize",
+    "/v1/embeddings",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/responses",
+    "/v1/responses/*",
+    "/version",
+)
+
+
 class Settings(BaseSettings):
     """How this router process behaves. Every field is also ``KVROUTER_<NAME>`` in the environment."""
 
@@ -305,3 +326,27 @@ class Settings(BaseSettings):
         default=False, description="Forward the client's Authorization header to replicas."
     )
     log_prompts: bool = Field(default=False, description="Allow prompt text in logs.")
+
+    # Hostile requests and replicas, upstream side (issue 15): what the proxy accepts from and sends to replicas.
+    passthrough_paths: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_PASSTHROUGH_PATHS),
+        description=(
+            "Paths passed through unchanged to one replica (vLLM's client-facing endpoints); an entry ending in /* "
+            "also allows its sub-paths. Anything else is 404: vLLM's operator endpoints (/reset_prefix_cache, "
+            "/sleep, /collective_rpc, ...) are never reachable through the router."
+        ),
+    )
+    first_byte_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description=(
+            "Longest wait for a replica's first response byte (a stream's first chunk) while the replica shows no "
+            "progress on any request; past it the attempt is retried elsewhere and the replica is marked stalled."
+        ),
+    )
+    max_upstream_body_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, description="Largest non-streaming answer read from a replica (else 502)."
+    )
+    max_scrape_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1024, description="Largest /metrics or /health body read from a replica."
+    )

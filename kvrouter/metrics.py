@@ -147,6 +147,20 @@ class RouterMetrics:
             ["replica"],
             registry=registry,
         )
+        # Hostile requests and replicas (issue 15, upstream side): every refusal and every attribution counted.
+        self.upstream_rejections = Counter(
+            "kvrouter_upstream_rejections",
+            "Replica answers or probes refused or re-attributed, by replica and reason (redirect, stalled, "
+            "body_too_large, error_body_too_large, scrape_too_large, probe_too_large, request_5xx).",
+            ["replica", "reason"],
+            registry=registry,
+        )
+        self.edge_refusals = Counter(
+            "kvrouter_edge_refusals",
+            "Client requests refused before any replica was involved, by reason (request_target, path_not_allowed).",
+            ["reason"],
+            registry=registry,
+        )
         self.events = EventMetrics(registry)
         self._timers: dict[tuple[str, str], RouteTimers] = {}
 

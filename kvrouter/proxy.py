@@ -1,16 +1,24 @@
 """Request handlers and the relay: the async shell around `Router`.
 
 A completion request is read (size-capped), parsed once (`parse_request`), turned into routing facts, and sent
-to the replica the policy picks. Connect failures, 5xx and 429 answers are retried on another replica — only
-while nothing has been written to the client. The answer is relayed as it arrives: SSE chunk by chunk, JSON
-bodies whole and unchanged. The load book gets a ticket at dispatch, `first_token` at the first body chunk and
+to the replica the policy picks. Connect failures, stalls, redirects, 5xx and 429 answers are retried on another
+replica — only while nothing has been written to the client; which of those count against the replica's breaker
+is decided in `kvrouter.replicas` (a 5xx that a second replica repeats is the request's, not theirs). The answer
+is relayed as it arrives: SSE chunk by chunk (the first chunk is awaited before anything reaches the client, so a
+stream that never starts is retried too), JSON bodies whole and unchanged up to `max_upstream_body_bytes` (502
+past it). The load book gets a ticket at dispatch, `first_token` at the first body chunk and
 `finish` on every path out. A client that disconnects cancels its handler (the server runs with handler
 cancellation), which closes the upstream connection at once so the engine stops generating.
 
+Hostile input stops at the edge: a request target that is not origin-form (`OPTIONS *`, `GET http://host/x`)
+gets a 400 before any replica is involved, and nothing that fails while building an upstream request is charged
+to a replica. Redirects from replicas are never followed (a 3xx is a bad answer, retried elsewhere).
+
 Other endpoints: GET /v1/models merged from routable replicas; /health; /metrics; POST /debug/route (a dry run
-of the routing decision, guarded by `admin_token`); anything else is passed through to one routable replica.
-Knobs come from `Settings`: max_body_bytes, max_retries, max_concurrency, api_keys, admin_token,
-forward_authorization.
+of the routing decision, guarded by `admin_token`); the paths in `passthrough_paths` (vLLM's tokenize,
+embeddings, pooling, ...) are passed through to one routable replica and count against `max_concurrency`;
+anything else is a 404. Knobs come from `Settings`: max_body_bytes, max_retries, max_concurrency,
+first_byte_timeout_s, max_upstream_body_bytes, passthrough_paths, api_keys, admin_token, forward_authorization.
 """
 
 from __future__ import annotations
@@ -20,9 +28,11 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -38,10 +48,13 @@ from kvrouter.replicas import ReplicaSet, ReplicaState
 from kvrouter.routing import Router, RoutingFacts
 from kvrouter.status import StatusEndpoints
 from kvrouter.streaming import (
+    REDIRECTS,
     REQUEST_ID_HEADER,
+    BodyTooLarge,
     UsageScanner,
     cached_tokens_in_body,
     downstream_headers,
+    read_capped,
     upstream_headers,
 )
 from kvrouter.typedefs import ReplicaName
@@ -50,6 +63,11 @@ log = logging.getLogger(__name__)
 
 EVENT_STREAM = "text/event-stream"
 _ROUTES: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+_ERROR_BODY_BYTES = 1 << 20
+"""A replica's error answer is read (to hand it on if no replica does better) up to this many bytes."""
+# A sub-path allowed by a `/prefix/*` entry: plain segments only, none starting with a dot (no `..`), no escapes.
+_SUB_PATH = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9_.~:-]*(/[A-Za-z0-9_~-][A-Za-z0-9_.~:-]*)*")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -60,6 +78,29 @@ class Refused:
     status: int = 0
     body: bytes = b""
     headers: CIMultiDict[str] | None = None
+    server_error: bool = False
+    """A 5xx answer, not yet charged to the replica: whose fault it is depends on what other replicas answer."""
+
+
+class Stalled(Exception):
+    """No first byte within a whole first-byte window while the replica showed no progress on any request."""
+
+
+class PathAllowList:
+    """`passthrough_paths`: exact paths, and `/prefix/*` entries that allow plain sub-paths of the prefix."""
+
+    def __init__(self, entries: Sequence[str]) -> None:
+        self.exact = frozenset(e for e in entries if not e.endswith("/*"))
+        self.prefixes = tuple(e[:-1] for e in entries if e.endswith("/*"))
+
+    def allows(self, raw_path: str) -> bool:
+        # The raw (still percent-encoded) path is matched and forwarded, so what is checked is what is sent.
+        if raw_path in self.exact:
+            return True
+        return any(
+            raw_path.startswith(prefix) and _SUB_PATH.fullmatch(raw_path, len(prefix)) is not None
+            for prefix in self.prefixes
+        )
 
 
 def error_response(error: RequestError, request_id: str | None = None) -> web.Response:
@@ -95,6 +136,7 @@ class Proxy:
         self.clock = clock
         self.session: aiohttp.ClientSession | None = None
         self.active = 0
+        self.passthrough_paths = PathAllowList(settings.passthrough_paths)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -108,6 +150,22 @@ class Proxy:
         # Unmatched paths go to a replica through a middleware rather than a catch-all route, so routes that
         # other modules register later (admin, readiness) are never shadowed.
         app.middlewares.append(self.passthrough_unmatched)
+        # Outermost: a request target that is not a path never reaches a handler (nor any replica).
+        app.middlewares.insert(0, self.origin_form_only)
+
+    @web.middleware
+    async def origin_form_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.raw_path.startswith("/"):
+            return await handler(request)
+        # `OPTIONS *` (asterisk-form) or `GET http://host/x` (absolute-form): both are for proxies and servers
+        # themselves, never for an API; forwarded, they made invalid upstream URLs charged to every replica.
+        self.metrics.edge_refusals.labels("request_target").inc()
+        refused = RequestError(
+            "the request target must be a path (origin-form), not '*' or an absolute URL",
+            status=400,
+            code="invalid_request_target",
+        )
+        return error_response(refused)
 
     @web.middleware
     async def passthrough_unmatched(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -185,6 +243,7 @@ class Proxy:
         route = _ROUTES[parsed.endpoint]
         tried: list[ReplicaName] = []
         refused: Refused | None = None
+        answered_5xx: list[tuple[ReplicaState, str]] = []
         for _attempt in range(self.settings.max_retries + 1):
             candidates = self.replicas.routable(exclude=tried)
             if not candidates:
@@ -213,10 +272,14 @@ class Proxy:
                 replica.end_attempt()
                 self.load.finish(ticket)
             if not isinstance(outcome, Refused):
+                self._settle_5xx(answered_5xx, answered_elsewhere=True)
                 return outcome
             refused = outcome
+            if outcome.server_error:
+                answered_5xx.append((replica, outcome.reason))
             self.metrics.retries.labels(replica.name, "status" if outcome.status else "connect").inc()
             log.info("request %s: %s refused (%s)", request_id, replica.name, outcome.reason)
+        self._settle_5xx(answered_5xx, answered_elsewhere=False)
         if refused is not None and refused.status:
             # Every attempt was refused with an answer: the client gets the last one, as the replica sent it.
             headers = refused.headers or CIMultiDict()
@@ -226,6 +289,81 @@ class Proxy:
         self.metrics.requests.labels("none", route, "503").inc()
         unavailable = RequestError(message, status=503, code="no_replica_available", type_="server_error")
         return error_response(unavailable, request_id)
+
+    def _settle_5xx(self, answered_5xx: list[tuple[ReplicaState, str]], *, answered_elsewhere: bool) -> None:
+        """Charge a request's 5xx answers to their replicas only when they were the replicas' fault.
+
+        One 5xx followed by a good answer from another replica: that replica is ill, count it. Two replicas
+        answering 5xx to the same request: the request is the cause (poison input); a request that got no good
+        answer anywhere fails alone. Neither case touches a breaker; both are counted as `request_5xx`.
+        """
+        if answered_elsewhere and len(answered_5xx) == 1:
+            replica, reason = answered_5xx[0]
+            self.replicas.record_failure(replica, reason, probe_blind=True)
+            return
+        for replica, _reason in answered_5xx:
+            self.replicas.reject(replica, "request_5xx")
+
+    async def _until_first_byte(self, replica: ReplicaState, pending: Awaitable[T]) -> T:
+        """Await `pending` (an answer's headers, a stream's first chunk); `Stalled` when the replica shows no
+        progress on any request for a whole `first_byte_timeout_s` window. A replica that is slow but moving
+        (decoding other requests, engine token counters rising) is waited for, window after window."""
+        loop = asyncio.get_running_loop()
+        window = self.settings.first_byte_timeout_s
+        since = replica.progress_at
+        handle: asyncio.TimerHandle | None = None
+        try:
+            async with asyncio.timeout(None) as deadline:
+
+                def check() -> None:
+                    nonlocal handle, since
+                    if replica.progress_at > since:
+                        since = replica.progress_at
+                        handle = loop.call_later(window, check)
+                    else:
+                        deadline.reschedule(loop.time())
+
+                handle = loop.call_later(window, check)
+                return await pending
+        except TimeoutError:
+            if deadline.expired():
+                raise Stalled(f"no first byte within {window:g}s and no progress on any request") from None
+            raise
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+    def _bad_answer(self, replica: ReplicaState, request_id: str, label: str, reason: str) -> Refused:
+        """An answer that is the replica's fault (a redirect, a stream without SSE): counted, retried elsewhere."""
+        self.replicas.reject(replica, label)
+        self.replicas.record_failure(replica, reason)
+        bad = RequestError(
+            f"replica {replica.name} {reason}", status=502, code="bad_upstream_response", type_="server_error"
+        )
+        headers = CIMultiDict({"Content-Type": "application/json", REQUEST_ID_HEADER: request_id})
+        return Refused(reason, 502, json.dumps(bad.body()).encode(), headers)
+
+    async def _error_body(self, replica: ReplicaState, upstream: aiohttp.ClientResponse) -> tuple[bytes, bool]:
+        """A 5xx/429 body, bounded; (body, replaced) where an oversized body is replaced by our own JSON."""
+        try:
+            return await read_capped(upstream, _ERROR_BODY_BYTES), False
+        except BodyTooLarge as error:
+            self.replicas.reject(replica, "error_body_too_large")
+            oversized = RequestError(
+                f"replica {replica.name} answered {upstream.status} with a {error}",
+                status=upstream.status,
+                code="upstream_error",
+                type_="server_error",
+            )
+            return json.dumps(oversized.body()).encode(), True
+        except (aiohttp.ClientError, TimeoutError):
+            return b"", False
+
+    async def _read_chunk(self, upstream: aiohttp.ClientResponse) -> bytes:
+        # Our own per-chunk deadline on top of the session's sock_read: aiohttp drops its read timer when the
+        # replica's chunked framing is malformed mid-body, and the read would never end.
+        async with asyncio.timeout(self.settings.read_timeout_s):
+            return await upstream.content.readany()
 
     async def _forward(
         self,
@@ -246,39 +384,63 @@ class Proxy:
             request_id,
             forward_authorization=self.settings.forward_authorization,
         )
+        session = self.client_session()
         try:
-            upstream = await self.client_session().post(replica.base_url + route, data=raw, headers=headers)
+            sent = session.post(replica.base_url + route, data=raw, headers=headers, allow_redirects=False)
+            upstream = await self._until_first_byte(replica, sent)
+        except Stalled as stall:
+            self.replicas.record_stall(replica, str(stall))
+            return Refused(str(stall))
         except (aiohttp.ClientError, TimeoutError) as error:
             reason = f"{type(error).__name__}: {error}"
             self.replicas.record_failure(replica, reason, error)
             return Refused(reason)
         try:
+            replica.record_progress()
             status = upstream.status
+            if status in REDIRECTS:
+                return self._bad_answer(
+                    replica, request_id, "redirect", f"answered {status} (a redirect: not followed)"
+                )
             if status >= 500 or status == 429:
-                try:
-                    body = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError):
-                    body = b""
-                if status >= 500:
-                    self.replicas.record_failure(replica, f"answered {status}")
+                body, replaced = await self._error_body(replica, upstream)
                 out_headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
-                return Refused(f"answered {status}", status, body, out_headers)
+                if replaced:
+                    out_headers["Content-Type"] = "application/json"
+                    out_headers.popall("Content-Encoding", None)
+                return Refused(f"answered {status}", status, body, out_headers, server_error=status >= 500)
             if stream and status == 200 and upstream.content_type != EVENT_STREAM:
                 # A broken replica or something else listening at its address; another replica may do better.
                 reason = f"answered a streaming request with {upstream.content_type or 'no content type'}"
-                self.replicas.record_failure(replica, reason)
-                bad = RequestError(
-                    f"replica {replica.name} {reason}", status=502, code="bad_upstream_response", type_="server_error"
-                )
-                headers = CIMultiDict({"Content-Type": "application/json", REQUEST_ID_HEADER: request_id})
-                return Refused(reason, 502, json.dumps(bad.body()).encode(), headers)
-            replica.record_success()
+                return self._bad_answer(replica, request_id, "not_event_stream", reason)
             out_headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
             if upstream.content_type == EVENT_STREAM:
+                try:
+                    first = await self._until_first_byte(replica, self._read_chunk(upstream))
+                except Stalled as stall:
+                    self.replicas.record_stall(replica, str(stall))
+                    return Refused(str(stall))
+                replica.record_success()
+                replica.record_progress()
                 return await self._relay_stream(
-                    request, upstream, out_headers, route, replica, ticket, predicted, start
+                    request, upstream, first, out_headers, route, replica, ticket, predicted, start
                 )
-            body = await upstream.read()
+            replica.record_success()
+            try:
+                body = await read_capped(upstream, self.settings.max_upstream_body_bytes)
+            except BodyTooLarge as error:
+                # The answer is whole but too large to hold: the request asked for it (n, logprobs), so the
+                # replica is not charged and another one would only answer the same.
+                self.replicas.reject(replica, "body_too_large")
+                self.metrics.requests.labels(replica.name, route, "502").inc()
+                too_large = RequestError(
+                    f"replica {replica.name} answered a {error} (max_upstream_body_bytes)",
+                    status=502,
+                    code="upstream_body_too_large",
+                    type_="server_error",
+                )
+                return error_response(too_large, request_id)
+            replica.record_progress()
             self.load.first_token(ticket)
             if "content-encoding" not in upstream.headers:
                 self._observe_cached(replica, predicted, cached_tokens_in_body(body), ticket)
@@ -297,6 +459,7 @@ class Proxy:
         self,
         request: web.Request,
         upstream: aiohttp.ClientResponse,
+        first: bytes,
         headers: CIMultiDict[str],
         route: str,
         replica: ReplicaState,
@@ -307,17 +470,18 @@ class Proxy:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         timers = self.metrics.timers(replica.name, route)
         scanner = UsageScanner()
-        first = True
         status = str(upstream.status)
         try:
             await response.prepare(request)
-            read_timeout = self.settings.read_timeout_s
-            while True:
+            chunk = first
+            if chunk:
+                self.load.first_token(ticket)
+                timers.ttft.observe(self.clock() - start)
+            while chunk:
+                scanner.feed(chunk)
+                await response.write(chunk)
                 try:
-                    # Our own per-chunk deadline on top of the session's sock_read: aiohttp drops its read timer
-                    # when the replica's chunked framing is malformed mid-body, and the read would never end.
-                    async with asyncio.timeout(read_timeout):
-                        chunk = await upstream.content.readany()
+                    chunk = await self._read_chunk(upstream)
                 except (aiohttp.ClientError, TimeoutError) as error:
                     # Too late to retry: an SSE error event says why (OpenAI clients raise it as an APIError), then
                     # the connection is cut without the chunked terminator so the truncation shows, not a clean end.
@@ -332,14 +496,7 @@ class Proxy:
                     if request.transport is not None:
                         request.transport.close()
                     return response
-                if not chunk:
-                    break
-                if first:
-                    first = False
-                    self.load.first_token(ticket)
-                    timers.ttft.observe(self.clock() - start)
-                scanner.feed(chunk)
-                await response.write(chunk)
+                replica.record_progress()
             await response.write_eof()
         except ConnectionError:
             status = "client_disconnect"
@@ -359,16 +516,31 @@ class Proxy:
         if actual is not None:
             self.metrics.observe_cached(replica.name, predicted, actual)
 
-    # -- everything else goes to a replica -----------------------------------------------------------------
+    # -- the allow-listed pass-through paths go to a replica -------------------------------------------------
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Any other path goes, unchanged, to one routable replica (tokenize, detokenize, responses, ...)."""
+        """An allow-listed path goes, unchanged, to one routable replica (tokenize, embeddings, ...); others 404."""
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
             self.check_client(request)
-            raw = await self.read_body(request) if request.body_exists else None
+            if not self.passthrough_paths.allows(request.raw_path.partition("?")[0]):
+                self.metrics.edge_refusals.labels("path_not_allowed").inc()
+                raise RequestError(f"no such endpoint: {request.method} {request.path}", status=404, code="not_found")
         except RequestError as error:
             return error_response(error, request_id)
+        if self.active >= self.settings.max_concurrency:
+            busy = RequestError("router is at its concurrency limit; retry later", status=429, code="overloaded")
+            return error_response(busy, request_id)
+        self.active += 1
+        try:
+            return await self._passthrough(request, request_id)
+        except RequestError as error:
+            return error_response(error, request_id)
+        finally:
+            self.active -= 1
+
+    async def _passthrough(self, request: web.Request, request_id: str) -> web.StreamResponse:
+        raw = await self.read_body(request) if request.body_exists else None
         headers = upstream_headers(
             request.headers,
             request.headers.items(),
@@ -384,13 +556,29 @@ class Proxy:
             ticket = self.load.begin(replica.name, 0)
             try:
                 try:
-                    upstream = await self.client_session().request(
-                        request.method, replica.base_url + request.rel_url.raw_path_qs, data=raw, headers=headers
+                    url = replica.base_url + request.rel_url.raw_path_qs
+                    sent = self.client_session().request(
+                        request.method, url, data=raw, headers=headers, allow_redirects=False
                     )
+                    upstream = await self._until_first_byte(replica, sent)
+                except aiohttp.InvalidURL:
+                    # Built from what the client sent: its fault, never the replica's (this opened every breaker).
+                    self.metrics.edge_refusals.labels("request_target").inc()
+                    raise RequestError(
+                        "the request target cannot be forwarded", code="invalid_request_target"
+                    ) from None
+                except Stalled as stall:
+                    self.replicas.record_stall(replica, str(stall))
+                    continue
                 except (aiohttp.ClientError, TimeoutError) as error:
-                    self.replicas.record_failure(replica, f"{type(error).__name__}: {error}")
+                    self.replicas.record_failure(replica, f"{type(error).__name__}: {error}", error)
                     continue
                 try:
+                    replica.record_progress()
+                    if upstream.status in REDIRECTS:
+                        self.replicas.reject(replica, "redirect")
+                        self.replicas.record_failure(replica, f"answered {upstream.status} (a redirect: not followed)")
+                        continue
                     return await self._relay_any(request, upstream, replica, request_id, ticket)
                 finally:
                     upstream.close()
@@ -415,14 +603,14 @@ class Proxy:
             await response.prepare(request)
             while True:
                 try:
-                    async with asyncio.timeout(self.settings.read_timeout_s):  # see _relay_stream
-                        chunk = await upstream.content.readany()
+                    chunk = await self._read_chunk(upstream)
                 except (aiohttp.ClientError, TimeoutError):
                     if request.transport is not None:
                         request.transport.close()
                     return response
                 if not chunk:
                     break
+                replica.record_progress()
                 self.load.first_token(ticket)
                 await response.write(chunk)
             await response.write_eof()

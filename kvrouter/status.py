@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrouter.openai_request import Endpoint, RequestError, parse_request
+from kvrouter.streaming import BodyTooLarge, read_capped
 
 if TYPE_CHECKING:
     from kvrouter.proxy import Proxy
@@ -41,11 +42,12 @@ class StatusEndpoints:
 
         async def fetch(replica: ReplicaState) -> list[dict[str, Any]]:
             try:
-                async with session.get(f"{replica.base_url}/v1/models", timeout=timeout) as response:
+                url = f"{replica.base_url}/v1/models"
+                async with session.get(url, timeout=timeout, allow_redirects=False) as response:
                     if response.status != 200:
                         return []
-                    payload = await response.json(content_type=None)
-            except (aiohttp.ClientError, TimeoutError, ValueError):
+                    payload = json.loads(await read_capped(response, self.proxy.settings.max_scrape_bytes))
+            except (aiohttp.ClientError, TimeoutError, ValueError, BodyTooLarge):
                 return []
             data = payload.get("data") if isinstance(payload, dict) else None
             return [entry for entry in data if isinstance(entry, dict)] if isinstance(data, list) else []

@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import aiohttp
 from multidict import CIMultiDict
 
 HOP_BY_HOP = frozenset(
@@ -34,6 +35,37 @@ REPLICA_HEADER = "x-kvrouter-replica"
 REQUEST_ID_HEADER = "x-request-id"
 _CACHED_TOKENS = b'"cached_tokens"'
 _MAX_PENDING_EVENT = 1 << 20
+"""The most bytes `UsageScanner` holds of one unfinished event: its memory is bounded whatever a replica sends."""
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
+"""Redirect answers; the proxy never follows them (every upstream call passes allow_redirects=False)."""
+
+
+class BodyTooLarge(Exception):
+    """A replica's body went past the byte bound the caller set; what was read so far is dropped."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"body larger than {limit} bytes")
+        self.limit = limit
+
+
+async def read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, read incrementally and abandoned as soon as it passes `limit` bytes (`BodyTooLarge`).
+
+    A declared Content-Length over the limit is refused before any byte is read; an undeclared or lying one is
+    caught by counting, so a replica can never make the router hold more than `limit` (+ one read) bytes.
+    """
+    if response.content_length is not None and response.content_length > limit:
+        raise BodyTooLarge(limit)
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await response.content.readany()
+        if not chunk:
+            return b"".join(parts)
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        parts.append(chunk)
 
 
 def _connection_listed(headers: Mapping[str, str]) -> frozenset[str]:

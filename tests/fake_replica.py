@@ -41,6 +41,18 @@ class FakeBehaviour:
     """vllm:num_requests_waiting per engine (its length is the number of engines)."""
     running: tuple[int, ...] = (0,)
     kv_usage: tuple[float, ...] = (0.0,)
+    poison_marker: bytes | None = None
+    """Completions whose raw body contains these bytes are answered 500 (an input that crashes the engine)."""
+    hang: bool = False
+    """Completions and pass-through calls are read and never answered (an engine hung behind a live server)."""
+    redirect_to: str | None = None
+    """Answer completions, /tokenize, /health and /metrics with a 307 to this URL."""
+    body_bytes: int | None = None
+    """Answer non-stream completions (or errors, with `status`) with a chunked JSON body of about this size."""
+    metrics_bytes: int | None = None
+    """Pad /metrics with comment lines to about this size."""
+    busy_engine: bool = False
+    """vllm:generation_tokens_total rises on every scrape: the engine is computing something."""
 
 
 @dataclass
@@ -64,6 +76,7 @@ class FakeReplica:
     finished: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     in_flight: int = 0
+    scrapes: int = 0
     _runner: web.AppRunner | None = None
 
     @property
@@ -112,6 +125,27 @@ class FakeReplica:
             body = {}
         return seen, body if isinstance(body, dict) else {}
 
+    async def _hostile(self, request: web.Request, raw: bytes = b"") -> web.StreamResponse | None:
+        """The answer of a hostile behaviour, or None to answer normally."""
+        behaviour = self.behaviour
+        if behaviour.redirect_to is not None:
+            return web.Response(status=307, headers={"Location": behaviour.redirect_to})
+        if behaviour.hang:
+            await asyncio.Event().wait()
+        if behaviour.poison_marker is not None and behaviour.poison_marker in raw:
+            return self._error(500)
+        if behaviour.body_bytes is not None and request.path.endswith("completions"):
+            response = web.StreamResponse(status=behaviour.status, headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            await response.write(b'{"padding": "')
+            piece = b"x" * 65536
+            for _ in range(behaviour.body_bytes // len(piece) + 1):
+                await response.write(piece)
+            await response.write(b'"}')
+            await response.write_eof()
+            return response
+        return None
+
     def _error(self, status: int) -> web.Response:
         body = {"error": {"message": f"{self.name} fails with {status}", "type": "Error", "code": status}}
         return web.json_response(body, status=status)
@@ -139,6 +173,9 @@ class FakeReplica:
         seen, body = await self._record(request)
         request_id = request.headers.get("x-request-id", "none")
         behaviour = self.behaviour
+        hostile = await self._hostile(request, seen.body)
+        if hostile is not None:
+            return hostile
         if behaviour.status != 200:
             return self._error(behaviour.status)
         self.in_flight += 1
@@ -226,10 +263,15 @@ class FakeReplica:
         return response
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.behaviour.redirect_to is not None:
+            return web.Response(status=307, headers={"Location": self.behaviour.redirect_to})
         return web.Response(status=self.behaviour.health_status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         behaviour = self.behaviour
+        self.scrapes += 1
+        if behaviour.redirect_to is not None:
+            return web.Response(status=307, headers={"Location": behaviour.redirect_to})
         labels = 'engine="{engine}",model_name="' + self.model + '"'
         gauges: list[tuple[str, str, tuple[float, ...]]] = [
             ("vllm:num_requests_running", "Number of requests in model execution batches.", behaviour.running),
@@ -248,6 +290,10 @@ class FakeReplica:
             f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.001",model_name="{self.model}"}} 0.0',
             'python_gc_objects_collected_total{generation="0"} 12.0',
         ]
+        if behaviour.busy_engine:
+            lines.append(f'vllm:generation_tokens_total{{engine="0",model_name="{self.model}"}} {self.scrapes}.0')
+        if behaviour.metrics_bytes is not None:
+            lines += ["# " + "x" * 1000] * (behaviour.metrics_bytes // 1000)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -262,8 +308,11 @@ class FakeReplica:
         }
         return web.json_response({"object": "list", "data": [model]})
 
-    async def _tokenize(self, request: web.Request) -> web.Response:
-        _, body = await self._record(request)
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
+        seen, body = await self._record(request)
+        hostile = await self._hostile(request, seen.body)
+        if hostile is not None:
+            return hostile
         text = body.get("prompt") or ""
         tokens = [ord(c) for c in str(text)]
         return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens, "token_strs": None})
