@@ -40,6 +40,7 @@ from kvrouter.redisplane.follower import RedisFollower
 from kvrouter.redisplane.wiring import build_follower
 from kvrouter.replicas import ReplicaSet
 from kvrouter.routing import PrefixLookup, PromptTokenizer, Router
+from kvrouter.status import EVENT_STREAMS
 from kvrouter.tokenization import HfPromptTokenizer
 from kvrouter.typedefs import ReplicaName
 
@@ -155,6 +156,8 @@ def create_app(
     app[REPLICAS] = replicas
     app[PROXY] = proxy
     proxy.add_routes(app)
+    if isinstance(prefix.events, EmbeddedEvents):
+        app[EVENT_STREAMS] = prefix.events
     install_admin(
         app,
         fleet=fleet,

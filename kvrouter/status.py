@@ -1,5 +1,5 @@
 """Endpoints that look at the router rather than forward through it: /v1/models (merged from routable
-replicas), /health (the router and every replica's breaker and load), /metrics (Prometheus) and
+replicas), /health (the router and every replica's breaker, load and KV-event stream), /metrics (Prometheus) and
 POST /debug/route — the decision the router would make for a request body, with every candidate's breakdown,
 computed by `Router.decide` without committing anything (guarded by `admin_token` when set).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -16,12 +16,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrouter.openai_request import Endpoint, RequestError, parse_request
 from kvrouter.streaming import BodyTooLarge, read_capped
+from kvrouter.typedefs import ReplicaName
 
 if TYPE_CHECKING:
     from kvrouter.proxy import Proxy
     from kvrouter.replicas import ReplicaState
 
 _CANDIDATE_FIELDS = frozenset({"replica", "cached_tokens", "score"})
+
+
+class EventStreams(Protocol):
+    def describe(self, replica: ReplicaName) -> dict[str, object] | None:
+        """A replica's KV-event stream (endpoint, age of its last batch) for /health; None when it has none."""
+        ...
+
+
+EVENT_STREAMS = web.AppKey("kvrouter_event_streams", EventStreams)
+"""Set by the app factory when this process follows KV events itself (embedded mode)."""
 
 
 def _error(error: RequestError) -> web.Response:
@@ -65,10 +76,13 @@ class StatusEndpoints:
         return web.json_response({"object": "list", "data": list(merged.values())})
 
     async def health(self, request: web.Request) -> web.Response:
+        streams = request.app.get(EVENT_STREAMS)
         replicas = {}
         for replica in self.proxy.replicas:
             described = replica.describe()
             described["in_flight"] = self.proxy.load.snapshot(replica.name).in_flight
+            if streams is not None and (stream := streams.describe(replica.name)) is not None:
+                described["kv_events"] = stream
             replicas[replica.name] = described
         routable = sum(1 for replica in self.proxy.replicas if replica.routable)
         total = len(self.proxy.replicas.replicas)

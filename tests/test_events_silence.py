@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -17,6 +18,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvrouter.app import create_app
 from kvrouter.blocks import chain_keys
 from kvrouter.config import parse_fleet
 from kvrouter.events.embedded import EmbeddedEvents
@@ -24,6 +26,7 @@ from kvrouter.events.metrics import EventMetrics
 from kvrouter.events.wire import encode_seq
 from kvrouter.index import PrefixIndex
 from kvrouter.typedefs import ReplicaName
+from tests.conftest import router_settings
 from tests.redis_fixtures import free_port
 
 A = ReplicaName("a")
@@ -79,3 +82,15 @@ async def test_a_silent_endpoint_is_warned_about_once_and_its_age_exported(
     finally:
         await events.stop()
         context.destroy(linger=0)
+
+
+async def test_health_shows_each_replicas_event_stream(aiohttp_client: Any) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    fleet = parse_fleet(
+        {"replicas": [{"name": "a", "url": "http://127.0.0.1:9", "kv_events": {"endpoint": endpoint}}]},
+        Path("replicas.yaml"),
+    )
+    client = await aiohttp_client(create_app(router_settings(), fleet, registry=CollectorRegistry()))
+    response = await client.get("/health")
+    body = await response.json()
+    assert body["replicas"]["a"]["kv_events"] == {"endpoint": endpoint, "last_event_age_s": None, "silent": False}
