@@ -6,8 +6,10 @@
 prober and the engine /metrics scraper. They live in `cleanup_ctx`, so they start with the server and stop
 when it shuts down. Shared objects are reachable through typed `web.AppKey`s.
 
-`build_prefix_parts` is the one place where the prefix index, the tokenizer and their background work (KV-event
-ingest) are made; without them the router routes on load alone.
+`build_prefix_parts` is the one place where the prefix index, the tokenizer, the learning overlays
+(`kvrouter.overlays`: kv_feedback, kv_survival) and their background work (KV-event ingest, which tells the
+overlays what it applies) are made; without them the router routes on load alone. A replica whose cache is gone
+(it refused a connection, or left the fleet) is cleared from the index and from every overlay (`forget_replica`).
 
 TCP_NODELAY: aiohttp sets it on every connection it makes or accepts (client and server protocols alike), so
 small SSE chunks are never held back by Nagle's algorithm on either hop.
@@ -19,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -29,14 +31,14 @@ from prometheus_client import CollectorRegistry
 from kvrouter.blocks import native_block_keys
 from kvrouter.config import ConfigError, FleetConfig, Settings
 from kvrouter.events.embedded import EmbeddedEvents
-from kvrouter.feedback import FeedbackLookup
 from kvrouter.fleet_control import install_admin
 from kvrouter.index import PrefixIndex
+from kvrouter.lifecycle import EventListener, RequestListener, tell_cleared
 from kvrouter.load import LoadBook
 from kvrouter.metrics import RouterMetrics
+from kvrouter.overlays import overlays_from_settings
 from kvrouter.policies import build_policy
 from kvrouter.proxy import Proxy
-from kvrouter.redisplane.follower import RedisFollower
 from kvrouter.redisplane.wiring import build_follower
 from kvrouter.replicas import ReplicaSet
 from kvrouter.routing import PrefixLookup, PromptTokenizer, Router
@@ -61,7 +63,11 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 class PrefixParts:
     """What KV-aware routing adds to the router: the index, the tokenizer and the tasks that feed the index."""
 
-    index: PrefixLookup | None = None
+    index: PrefixIndex | None = None
+    lookup: PrefixLookup | None = None
+    """What the router asks: the index wrapped by the overlays the settings turn on."""
+    request_listeners: list[RequestListener] = field(default_factory=list)
+    event_listeners: list[EventListener] = field(default_factory=list)
     tokenizer: PromptTokenizer | None = None
     contexts: list[CleanupContext] = field(default_factory=list)
     events: object | None = None
@@ -69,9 +75,14 @@ class PrefixParts:
 
 
 def build_prefix_parts(
-    settings: Settings, fleet: FleetConfig, metrics: RouterMetrics, clock: Callable[[], float]
+    settings: Settings,
+    fleet: FleetConfig,
+    metrics: RouterMetrics,
+    clock: Callable[[], float],
+    load: LoadBook | None = None,
 ) -> PrefixParts:
-    """The prefix index, the fleet's tokenizer and the embedded ZMQ ingest of every replica's KV events."""
+    """The prefix index, its overlays (reading `load`, the router's load book), the fleet's tokenizer and the
+    ingest of every replica's KV events (embedded ZMQ, or the Redis follower)."""
     index = PrefixIndex(provisional_ttl_s=settings.provisional_ttl_s, max_blocks=settings.index_max_blocks)
     if index.backend.name != "native":
         log.warning(
@@ -82,7 +93,13 @@ def build_prefix_parts(
         log.warning("block keys are hashed from Python (kvrouter._blockkeys was not built): ~5x slower, same keys")
     metrics.events.index_bytes.set_function(index.table_bytes)
     metrics.events.read_index_anomalies(lambda: {"hash_reuse": index.hash_reuses, "orphaned_bit": index.orphaned_bits})
-    parts = PrefixParts(index=index)
+    overlays = overlays_from_settings(settings, index, load if load is not None else LoadBook())
+    parts = PrefixParts(
+        index=index,
+        lookup=overlays.lookup,
+        request_listeners=overlays.request_listeners,
+        event_listeners=overlays.event_listeners,
+    )
     if fleet.tokenizer is None:
         log.warning("replicas.yaml names no tokenizer: requests are routed on load only, without prefix matching")
         metrics.events.load_only.set(1)
@@ -105,13 +122,16 @@ def build_prefix_parts(
             metrics.events,
             rcv_hwm=settings.events_rcv_hwm,
             silent_after_s=settings.events_silent_after_s,
+            listeners=parts.event_listeners,
             clock=clock,
         )
         parts.events = events
         parts.contexts.append(events.context)
     else:
         # Relay mode: the events come through Redis (`kvrouter relay`); readiness waits for the index to load.
-        follower = build_follower(settings.redis_url, fleet, index, metrics.registry, clock=clock)
+        follower = build_follower(
+            settings.redis_url, fleet, index, metrics.registry, clock=clock, listeners=parts.event_listeners
+        )
         followed = follower.replicas
         metrics.events.read_index_blocks(lambda: {name: index.held_counts().get(name, 0) for name in followed})
         parts.events = follower
@@ -130,23 +150,20 @@ def create_app(
     app = web.Application(client_max_size=settings.max_body_bytes, handler_args={"max_field_size": 65536})
     metrics = RouterMetrics(registry if registry is not None else CollectorRegistry(auto_describe=True))
     load = LoadBook()
-    prefix = build_prefix_parts(settings, fleet, metrics, clock)
-    lookup = prefix.index
-    if lookup is not None and settings.kv_feedback:
-        lookup = FeedbackLookup(lookup)  # engine-reported cache hits correct the index (kvrouter/feedback.py)
-        _tell_stores(prefix.events, lookup)
+    prefix = build_prefix_parts(settings, fleet, metrics, clock, load)
     router = Router(
-        policy=build_policy(settings.policy, settings),
+        policy=build_policy(settings.policy, settings, clock=clock),
         load=load,
-        index=lookup,
+        index=prefix.lookup,
         tokenizer=prefix.tokenizer,
         hash_seed=fleet.hash_seed,
         lora_adapters=fleet.lora_adapters,
+        listeners=prefix.request_listeners,
         clock=clock,
     )
     replicas = ReplicaSet(fleet, settings, load, metrics, clock)
-    if prefix.index is not None:
-        replicas.on_gone = _forget_blocks(prefix.index)
+    forget = forget_replica(prefix.index, prefix.event_listeners, clock)
+    replicas.on_gone = forget
     proxy = Proxy(settings=settings, router=router, replicas=replicas, load=load, metrics=metrics, clock=clock)
     app[SETTINGS] = settings
     app[FLEET] = fleet
@@ -170,6 +187,7 @@ def create_app(
         index=prefix.index,
         events=prefix.events,
         redis_url=settings.redis_url,
+        forget=forget,
     )
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_replica_watch)
@@ -177,21 +195,20 @@ def create_app(
     return app
 
 
-def _tell_stores(events: object, feedback: FeedbackLookup) -> None:
-    """The feedback overlay clears a suspect block when its replica stores it again: it hears every live store."""
-    if isinstance(events, EmbeddedEvents):
-        events.ingest.on_stored = feedback.on_stored
-    elif isinstance(events, RedisFollower):
-        events.on_stored = feedback.on_stored
+def forget_replica(
+    index: PrefixIndex | None, listeners: Sequence[EventListener], clock: Callable[[], float]
+) -> Callable[[ReplicaName], None]:
+    """A replica's cache is gone (it refused a connection: its engine is down; or it left the fleet): its blocks
+    leave the index and every overlay forgets what it learnt about it."""
 
-
-def _forget_blocks(index: PrefixLookup) -> Callable[[ReplicaName], None]:
     def forget(replica: ReplicaName) -> None:
-        if not isinstance(index, PrefixIndex):
-            return
-        if index.blocks_of(replica):
-            log.warning("replica %s refused a connection: its engine is gone, and with it the blocks it held", replica)
-        index.clear(replica)
+        if index is not None:
+            if index.blocks_of(replica):
+                log.warning(
+                    "replica %s is gone (refused a connection or removed), and with it its cached blocks", replica
+                )
+            index.clear(replica)
+        tell_cleared(listeners, replica, clock())
 
     return forget
 

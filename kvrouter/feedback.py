@@ -13,12 +13,13 @@ chose and corrects two things:
   only); a replica's matched blocks are scaled by its trust (never below `min_trust`), so a replica whose events
   keep overstating its cache loses credit until it behaves.
 
-Live, the proxy calls `expect` when it commits a request to a replica (with the request's block keys) and
-`settle` with the same token once the engine's usage arrives, and every store the event path applies (the embedded
-ZMQ ingest or the Redis follower; the app factory wires them) reaches `on_stored`; replay calls `observe` and
-`on_stored` directly. The index itself
-is never edited (its data layout is not this module's business); everything lives in this overlay
-and the overlay observes the same events the index does. Pure and synchronous; the clock is the caller's `now`.
+It hears both sides through the lifecycle's protocols (`kvrouter.lifecycle`), live and in replay alike: as a
+`RequestListener`, `on_served` brings each request's reported cached tokens with the handle's replica, keys and
+prediction; as an `EventListener`, every store the event path applies reaches `on_stored` and a replica whose
+cache is gone (engine restart, reset, replica removed or unreachable) reaches `on_cleared`, which forgets what
+was learnt about it. The index itself is never edited (its data layout is not this module's business);
+everything lives in this overlay and the overlay observes the same events the index does. Pure and synchronous;
+the clock is the caller's `now`.
 
 `kv_feedback` turns it on (off by default). In trace replay it is neutral on a clean event path and, with one
 replica's removals lost, cuts TTFT p99 by 4.6-7.3%, all of it from trust (docs/benchmarks.md, "Beyond kv_aware").
@@ -28,10 +29,10 @@ Knobs: `trust_alpha` [0.02] weight of one request in the trust mean; `min_trust`
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvrouter.lifecycle import Routed
 from kvrouter.routing import PrefixLookup, PrefixMatch
 from kvrouter.typedefs import BlockKey, ReplicaName
 
@@ -57,7 +58,6 @@ class FeedbackLookup:
         self.config = config or FeedbackConfig()
         self._trust: dict[ReplicaName, float] = {}
         self._suspects: dict[ReplicaName, dict[BlockKey, float]] = {}
-        self._expected: OrderedDict[Hashable, tuple[ReplicaName, Sequence[BlockKey], int]] = OrderedDict()
         self.repairs = 0
         """Suspect blocks marked so far (a metric)."""
 
@@ -113,24 +113,34 @@ class FeedbackLookup:
             self._suspects.setdefault(replica, {})[keys[served]] = now + config.suspect_ttl_s
             self.repairs += 1
 
-    def expect(self, token: Hashable, replica: ReplicaName, keys: Sequence[BlockKey], block_size: int) -> None:
-        """A request (`token`: anything unique to it) goes to `replica`; `settle` will bring its outcome."""
-        self._expected[token] = (replica, keys, block_size)
-        if len(self._expected) > 4096:
-            self._expected.popitem(last=False)  # outcomes that never came (failed attempts)
+    # ---- RequestListener -----------------------------------------------------------------------------------
 
-    def settle(self, token: Hashable, predicted_tokens: int, actual_tokens: int | None, now: float) -> None:
-        expected = self._expected.pop(token, None)
-        if expected is not None and actual_tokens is not None:
-            replica, keys, block_size = expected
-            self.observe(replica, keys, predicted_tokens, actual_tokens, block_size, now)
+    def on_commit(self, routed: Routed) -> None:
+        pass
 
-    def on_stored(self, replica: ReplicaName, keys: Sequence[BlockKey]) -> None:
+    def on_first_token(self, routed: Routed, now: float) -> None:
+        pass
+
+    def on_served(self, routed: Routed, cached_tokens: int, now: float) -> None:
+        self.observe(routed.replica, routed.keys, routed.predicted_cached, cached_tokens, routed.block_size, now)
+
+    def on_finish(self, routed: Routed, now: float) -> None:
+        pass
+
+    # ---- EventListener -------------------------------------------------------------------------------------
+
+    def on_stored(self, replica: ReplicaName, keys: Sequence[BlockKey], now: float) -> None:
         """The replica computed `keys` again: they are no longer suspect there."""
         suspects = self._suspects.get(replica)
         if suspects:
             for key in keys:
                 suspects.pop(key, None)
+
+    def on_removed(self, replica: ReplicaName, keys: Sequence[BlockKey], now: float) -> None:
+        pass  # the index drops them; a suspect among them no longer matters
+
+    def on_cleared(self, replica: ReplicaName, now: float) -> None:
+        self.forget(replica)
 
     def forget(self, replica: ReplicaName) -> None:
         """The replica restarted or left: what was learnt about it no longer holds."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -64,8 +65,10 @@ class AppFleetHooks:
         metrics: RouterMetrics,
         index: object | None = None,
         events: object | None = None,
+        forget: Callable[[ReplicaName], None] | None = None,
     ) -> None:
         self.replicas = replicas
+        self.forget = forget
         self.load = load
         self.metrics = metrics
         self.index = index if isinstance(index, IndexControl) else None
@@ -111,6 +114,8 @@ class AppFleetHooks:
             await self.events.unfollow(name)
         if self.index is not None:
             self.index.remove_replica(name)
+        if self.forget is not None:
+            self.forget(name)  # the learning overlays forget it too
         self.load.forget(name)
         for gauge in (self.metrics.replica_healthy, self.metrics.in_flight):
             with contextlib.suppress(KeyError):
@@ -136,12 +141,13 @@ def install_admin(
     index: object | None = None,
     events: object | None = None,
     redis_url: str | None = None,
+    forget: Callable[[ReplicaName], None] | None = None,
     reload_on_sighup: bool = True,
     sync_interval_s: float = 1.0,
 ) -> tuple[FleetAdmin, Readiness]:
     """Wire the admin API and /ready into `app`; parts of the app add readiness checks to the returned object.
     With `redis_url`, drains and reloads are shared with every other instance using that Redis."""
-    hooks = AppFleetHooks(replicas=replicas, load=load, metrics=metrics, index=index, events=events)
+    hooks = AppFleetHooks(replicas=replicas, load=load, metrics=metrics, index=index, events=events, forget=forget)
     admin = FleetAdmin(
         fleet=fleet,
         fleet_path=fleet_path,

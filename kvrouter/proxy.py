@@ -6,9 +6,12 @@ replica — only while nothing has been written to the client; which of those co
 is decided in `kvrouter.replicas` (a 5xx that a second replica repeats is the request's, not theirs). The answer
 is relayed as it arrives: SSE chunk by chunk (the first chunk is awaited before anything reaches the client, so a
 stream that never starts is retried too), JSON bodies whole and unchanged up to `max_upstream_body_bytes` (502
-past it). The load book gets a ticket at dispatch, `first_token` at the first body chunk and
-`finish` on every path out. A client that disconnects cancels its handler (the server runs with handler
-cancellation), which closes the upstream connection at once so the engine stops generating.
+past it). What follows the decision is the router's (`kvrouter.lifecycle`): `Router.commit` returns a `Routed`
+handle and the proxy reports only what it sees on it — `first_token` at the first body chunk, `served` with the
+cached tokens the engine's usage reports, `finish` on every path out — and the load book, the policy (kv_tune)
+and the learning overlays (kv_feedback) hear it from there. A client that disconnects cancels its handler (the
+server runs with handler cancellation), which closes the upstream connection at once so the engine stops
+generating.
 
 Hostile input stops at the edge: a request target that is not origin-form (`OPTIONS *`, `GET http://host/x`)
 gets a 400 before any replica is involved, and nothing that fails while building an upstream request is charged
@@ -40,7 +43,7 @@ from aiohttp.typedefs import Handler
 from multidict import CIMultiDict
 
 from kvrouter.config import Settings
-from kvrouter.feedback import FeedbackLookup
+from kvrouter.lifecycle import Routed
 from kvrouter.load import LoadBook, Ticket
 from kvrouter.metrics import RouterMetrics
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
@@ -251,13 +254,9 @@ class Proxy:
             began = self.clock()
             decision = self.router.decide(facts, [replica.route for replica in candidates])
             replica = self.replicas.by_name[decision.chosen]
-            ticket = self.router.commit(decision, facts, replica.route)
-            if isinstance(self.router.index, FeedbackLookup) and facts.prompts:
-                keys = facts.keys(replica.route.block_size, self.router.hash_seed)
-                self.router.index.expect(id(ticket), replica.name, keys, replica.route.block_size)
+            routed = self.router.commit(decision, facts, replica.route, arrival=start)
             self.metrics.decision_seconds.observe(self.clock() - began)
-            chosen = decision.score_of(decision.chosen)
-            predicted = chosen.cached_tokens if chosen is not None else 0
+            predicted = routed.predicted_cached
             if log.isEnabledFor(logging.DEBUG):
                 # Prompt text reaches the logs only when the operator asked for it (`log_prompts`).
                 body = f" body {raw[:1000]!r}" if self.settings.log_prompts else ""
@@ -266,11 +265,11 @@ class Proxy:
             replica.begin_attempt()
             try:
                 outcome = await self._forward(
-                    request, raw, route, replica, ticket, predicted, request_id, start, stream=parsed.stream
+                    request, raw, route, replica, routed, request_id, start, stream=parsed.stream
                 )
             finally:
                 replica.end_attempt()
-                self.load.finish(ticket)
+                routed.finish(self.clock())
             if not isinstance(outcome, Refused):
                 self._settle_5xx(answered_5xx, answered_elsewhere=True)
                 return outcome
@@ -371,8 +370,7 @@ class Proxy:
         raw: bytes,
         route: str,
         replica: ReplicaState,
-        ticket: Ticket,
-        predicted: int,
+        routed: Routed,
         request_id: str,
         start: float,
         *,
@@ -422,9 +420,7 @@ class Proxy:
                     return Refused(str(stall))
                 replica.record_success()
                 replica.record_progress()
-                return await self._relay_stream(
-                    request, upstream, first, out_headers, route, replica, ticket, predicted, start
-                )
+                return await self._relay_stream(request, upstream, first, out_headers, route, replica, routed, start)
             replica.record_success()
             try:
                 body = await read_capped(upstream, self.settings.max_upstream_body_bytes)
@@ -441,9 +437,9 @@ class Proxy:
                 )
                 return error_response(too_large, request_id)
             replica.record_progress()
-            self.load.first_token(ticket)
+            routed.first_token(self.clock())
             if "content-encoding" not in upstream.headers:
-                self._observe_cached(replica, predicted, cached_tokens_in_body(body), ticket)
+                self._observe_cached(replica, routed, cached_tokens_in_body(body))
             self.metrics.requests.labels(replica.name, route, str(status)).inc()
             self.metrics.timers(replica.name, route).duration.observe(self.clock() - start)
             return web.Response(status=status, body=body, headers=out_headers)
@@ -463,8 +459,7 @@ class Proxy:
         headers: CIMultiDict[str],
         route: str,
         replica: ReplicaState,
-        ticket: Ticket,
-        predicted: int,
+        routed: Routed,
         start: float,
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers=headers)
@@ -475,8 +470,9 @@ class Proxy:
             await response.prepare(request)
             chunk = first
             if chunk:
-                self.load.first_token(ticket)
-                timers.ttft.observe(self.clock() - start)
+                now = self.clock()
+                routed.first_token(now)
+                timers.ttft.observe(now - start)
             while chunk:
                 scanner.feed(chunk)
                 await response.write(chunk)
@@ -507,14 +503,13 @@ class Proxy:
             self.metrics.requests.labels(replica.name, route, status).inc()
             timers.duration.observe(self.clock() - start)
             scanner.close()
-            self._observe_cached(replica, predicted, scanner.cached_tokens, ticket)
+            self._observe_cached(replica, routed, scanner.cached_tokens)
         return response
 
-    def _observe_cached(self, replica: ReplicaState, predicted: int, actual: int | None, ticket: Ticket) -> None:
-        if isinstance(self.router.index, FeedbackLookup):
-            self.router.index.settle(id(ticket), predicted, actual, self.clock())
+    def _observe_cached(self, replica: ReplicaState, routed: Routed, actual: int | None) -> None:
+        routed.served(actual, self.clock())
         if actual is not None:
-            self.metrics.observe_cached(replica.name, predicted, actual)
+            self.metrics.observe_cached(replica.name, routed.predicted_cached, actual)
 
     # -- the allow-listed pass-through paths go to a replica -------------------------------------------------
 

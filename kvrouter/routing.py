@@ -4,8 +4,11 @@
 `PromptTokenizer`); `Router.decide` asks the prefix index how much of the prompt each candidate holds, applies
 the engine's cached-token rule, reads each replica's load from the `LoadBook` and lets the policy choose — with
 no side effects, so `/debug/route` can call it; `Router.commit` acts on a decision: the policy's state moves,
-the request's blocks become provisional entries on the chosen replica, and the load book gets a ticket.
-The clock is a parameter (`time.monotonic` live, the virtual clock in replay).
+the request's blocks become provisional entries on the chosen replica, the load book gets a ticket, and the
+caller gets a `Routed` handle (`kvrouter.lifecycle`) that carries the rest of the request's life — first token,
+the engine's cached-token report, finish — to the load book, the policy and the request listeners (the learning
+overlays built by `kvrouter.overlays`). The clock is a parameter (`time.monotonic` live, the virtual clock in
+replay).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvrouter.blocks import cacheable_tokens, chain_keys
-from kvrouter.load import LoadBook, Ticket
+from kvrouter.lifecycle import RequestListener, Routed
+from kvrouter.load import LoadBook
 from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
 from kvrouter.typedefs import BlockKey, ReplicaName, Tier
@@ -76,9 +80,7 @@ class RoutingFacts:
             return []
         cached = self._keys.get(block_size)
         if cached is None:
-            cached = chain_keys(
-                self.prompts[0], block_size, seed=seed, lora=self.lora, cache_salt=self.cache_salt
-            )
+            cached = chain_keys(self.prompts[0], block_size, seed=seed, lora=self.lora, cache_salt=self.cache_salt)
             self._keys[block_size] = cached
         return cached
 
@@ -93,6 +95,7 @@ class Router:
         tokenizer: PromptTokenizer | None = None,
         hash_seed: int = 0,
         lora_adapters: Iterable[str] = (),
+        listeners: Sequence[RequestListener] = (),
         clock: Callable[[], float],
     ) -> None:
         self.policy = policy
@@ -101,6 +104,7 @@ class Router:
         self.tokenizer = tokenizer
         self.hash_seed = hash_seed
         self.lora_adapters = frozenset(lora_adapters)
+        self.listeners = tuple(listeners)
         self.clock = clock
 
     async def facts(self, request: ParsedRequest) -> RoutingFacts:
@@ -140,16 +144,34 @@ class Router:
         request = RouteRequest(prompt_tokens=facts.prompt_tokens, max_tokens=facts.max_tokens)
         return self.policy.select(request, self.candidates(facts, routes))
 
-    def commit(self, decision: Decision, facts: RoutingFacts, route: Route) -> Ticket:
+    def commit(self, decision: Decision, facts: RoutingFacts, route: Route, *, arrival: float | None = None) -> Routed:
+        """Act on `decision` for `route` (its chosen replica); `arrival` (default: now) is when the request came."""
+        now = self.clock()
         self.policy.record(decision)
         chosen = decision.score_of(decision.chosen)
         cached = chosen.cached_tokens if chosen is not None else 0
         prompt_tokens = facts.prompt_tokens or 0
+        keys: list[BlockKey] = []
         if self.index is not None and facts.prompts:
             keys = facts.keys(route.block_size, self.hash_seed)
             if keys:
-                self.index.add_provisional(route.name, keys, self.clock())
-        return self.load.begin(route.name, max(0, prompt_tokens - cached))
+                self.index.add_provisional(route.name, keys, now)
+        routed = Routed(
+            decision=decision,
+            replica=route.name,
+            block_size=route.block_size,
+            keys=keys,
+            prompt_tokens=prompt_tokens,
+            predicted_cached=cached,
+            arrival=now if arrival is None else arrival,
+            ticket=self.load.begin(route.name, max(0, prompt_tokens - cached)),
+            load=self.load,
+            policy=self.policy,
+            listeners=self.listeners,
+        )
+        for listener in self.listeners:
+            listener.on_commit(routed)
+        return routed
 
 
-__all__ = ["PrefixLookup", "PrefixMatch", "PromptTokenizer", "Route", "Router", "RoutingFacts", "Tier"]
+__all__ = ["PrefixLookup", "PrefixMatch", "PromptTokenizer", "Route", "Routed", "Router", "RoutingFacts", "Tier"]

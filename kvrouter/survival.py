@@ -12,7 +12,9 @@ wraps a `PrefixLookup` and, per replica, keeps
 A lookup then trims each replica's match to the blocks whose age + the expected wait there (the replica's
 pending prefill tokens / `prefill_tokens_per_s`, from the `LoadBook`) stays under `margin` x its eviction age.
 Blocks of one prompt are touched together and a shared head is touched more often than its tail, so ages grow
-with depth and a binary search finds the cut. Pure and synchronous; the clock is the caller's `now`.
+with depth and a binary search finds the cut. Pure and synchronous; the clock is the caller's `now`. It is an
+`EventListener` (`kvrouter.lifecycle`): the event path, live or in replay, tells it every store and removal in
+the router's keys, and `on_cleared` forgets a replica whose cache is gone.
 
 Off by default (`kv_survival`): on the Mooncake trace it cut credit that was right and raised TTFT p99 (+9.7% at
 x3.0; docs/benchmarks.md, "Beyond kv_aware").
@@ -96,6 +98,9 @@ class SurvivalLookup:
         sample = sum(ages) / len(ages)
         old = self._eviction_age.get(replica)
         self._eviction_age[replica] = sample if old is None else old + self.config.age_alpha * (sample - old)
+
+    def on_cleared(self, replica: ReplicaName, now: float) -> None:
+        self.forget(replica)
 
     def forget(self, replica: ReplicaName) -> None:
         self._touched.pop(replica, None)

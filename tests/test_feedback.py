@@ -33,7 +33,7 @@ def test_a_short_hit_marks_the_first_missing_block_suspect_until_stored_again() 
     assert lookup.suspects(A) == 1 and lookup.repairs == 1
     found = lookup.longest_prefixes(KEYS, 2.0)
     assert found[A].blocks == 3 and found[B].blocks == 8  # only the replica that missed is repaired
-    lookup.on_stored(A, KEYS[3:5])
+    lookup.on_stored(A, KEYS[3:5], 0.0)
     assert lookup.longest_prefixes(KEYS, 3.0)[A].blocks == 8
 
 

@@ -47,8 +47,7 @@ async def test_a_redis_follower_store_clears_the_suspect() -> None:
     index = PrefixIndex()
     feedback = FeedbackLookup(index)
     suspect_at(index, feedback, served=3)
-    follower = RedisFollower(lambda: None, [A], index, hash_seed=0, clock=lambda: 0.0)  # type: ignore[arg-type,return-value]
-    follower.on_stored = feedback.on_stored
+    follower = RedisFollower(lambda: None, [A], index, hash_seed=0, clock=lambda: 0.0, listeners=[feedback])  # type: ignore[arg-type,return-value]
     # Stream entries as the relay writes them: the engine stored blocks 3.. again.
     follower._apply(follower.replicas[A], [Stored(0, 0, pack_u64(KEYS[3:]), pack_u64(KEYS[3:]))])
     assert feedback.suspects(A) == 0
@@ -59,7 +58,7 @@ def test_an_ingested_store_clears_the_suspect_and_other_events_do_not() -> None:
     index = PrefixIndex()
     feedback = FeedbackLookup(index)
     suspect_at(index, feedback, served=0)
-    ingest = IndexIngest(index, block_sizes={A: 4}, on_stored=feedback.on_stored)
+    ingest = IndexIngest(index, block_sizes={A: 4}, listeners=[feedback])
     other = {"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2, 3, 4], "block_size": 4}
     batch, problems = WireDecoder().decode_payload("a", 1, msgspec.msgpack.encode([1.0, [other], 0]))
     assert batch is not None and not problems

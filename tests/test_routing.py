@@ -46,6 +46,9 @@ class MostCached:
     def record(self, decision: Decision) -> None:
         self.recorded.append(decision)
 
+    def first_token(self, decision: Decision, ttft_s: float, prompt_tokens: int) -> None:
+        pass
+
 
 def make_router(index: DictIndex, policy: MostCached) -> Router:
     return Router(policy=policy, load=LoadBook(), index=index, clock=lambda: 0.0)
@@ -70,11 +73,11 @@ def test_decide_is_a_dry_run_and_commit_acts() -> None:
     facts = RoutingFacts([prompt])
     decision = router.decide(facts, routes)
     assert index.held == {} and policy.recorded == [] and router.load.in_flight_total() == 0
-    ticket = router.commit(decision, facts, routes[0])
+    routed = router.commit(decision, facts, routes[0])
     assert policy.recorded == [decision]
     assert index.held[A] == set(chain_keys(prompt, 16))
     assert router.load.snapshot(A).pending_prefill_tokens == 100
-    router.load.finish(ticket)
+    routed.finish(0.0)
     # the provisional blocks now draw the sibling to the same replica
     again = router.decide(RoutingFacts([prompt]), routes)
     assert again.chosen == A and again.score_of(A) is not None

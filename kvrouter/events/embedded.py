@@ -4,7 +4,8 @@
 the index through `IndexIngest`, and keeps the event metrics (per-event status counts, ingest lag) current; the
 blocks per replica are read from the index when scraped (`held_blocks`). It follows and unfollows replicas while
 running (the admin API's reload calls `follow` / `unfollow`), and `context` is the `cleanup_ctx` that starts and
-stops it with the application.
+stops it with the application. What the ingest applies reaches the `listeners` (`kvrouter.lifecycle.EventListener`:
+the learning overlays), and so does a replica unfollowed for good (its cache is gone for this router).
 
 It also watches for a replica that never speaks: an engine publishes only when its blocks change, so silence
 alone means nothing, but a replica that has been sent requests (their blocks are provisional marks in the index)
@@ -23,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import zmq.asyncio
 from aiohttp import web
@@ -34,6 +35,7 @@ from kvrouter.events.metrics import EventMetrics
 from kvrouter.events.wire import EventBatch
 from kvrouter.events.zmq_source import ZmqEventSource
 from kvrouter.index import PrefixIndex
+from kvrouter.lifecycle import EventListener, tell_cleared
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class EmbeddedEvents:
         replay_timeout_s: float = 1.0,
         rcv_hwm: int = 1000,
         silent_after_s: float = 60.0,
+        listeners: Sequence[EventListener] = (),
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -65,6 +68,8 @@ class EmbeddedEvents:
             block_sizes={r.replica: fleet.block_size_of(r) for r in fleet.replicas},
             seed=fleet.hash_seed,
             on_event=metrics.count,
+            listeners=listeners,
+            clock=clock,
         )
         self.sources: dict[ReplicaName, ZmqEventSource] = {}
         self._tasks: dict[ReplicaName, asyncio.Task[None]] = {}
@@ -169,6 +174,7 @@ class EmbeddedEvents:
                 await task
         if forget:
             self.index.remove_replica(replica)
+            tell_cleared(self.ingest.listeners, replica, self.clock())
             self.ingest.block_sizes.pop(replica, None)
             self.metrics.forget(replica)
 

@@ -16,25 +16,26 @@ hash as gone (see `index`). Ranks outside the replica's DP size never get here (
 `bad_rank`), nor do messages over `max_message_bytes` (`oversized`).
 
 Every event ends in exactly one `(replica, type, status)` count, handed to `on_event` (the Prometheus counter in
-the app) and kept in `counts` for tests and the debug endpoint. The keys of every indexed store also go to
-`on_stored` (the feedback overlay, `kvrouter.feedback`, clears its suspect blocks there), set after construction
-when the overlay is built later.
+the app) and kept in `counts` for tests and the debug endpoint. What was applied also goes, in the router's keys,
+to every `EventListener` (`kvrouter.lifecycle`; the learning overlays): `on_stored` with the keys of an indexed
+store, `on_removed` with the keys of the removed blocks the index knew, `on_cleared` for `AllBlocksCleared`
+(a restart or reset: the replica's cache is gone). `clock` stamps those calls.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from kvrouter.blocks import chain_keys
 from kvrouter.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvrouter.lifecycle import EventListener, tell_cleared
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 EventCount = Callable[[str, str, str], None]
 """(replica, event type, status) -> None; called once per event."""
-StoredKeys = Callable[[ReplicaName, Sequence[BlockKey]], None]
-"""(replica, keys it now holds) -> None; called once per indexed `BlockStored`."""
 
 _FULL_ATTENTION = (None, "full_attention")
 
@@ -69,10 +70,12 @@ class IndexIngest:
         block_sizes: Mapping[ReplicaName, int],
         seed: int = 0,
         on_event: EventCount | None = None,
-        on_stored: StoredKeys | None = None,
+        listeners: Sequence[EventListener] = (),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
-        self.on_stored = on_stored
+        self.listeners = tuple(listeners)
+        self.clock = clock
         self.block_sizes = dict(block_sizes)
         self.seed = seed
         self.on_event = on_event
@@ -95,6 +98,7 @@ class IndexIngest:
             elif isinstance(event, AllBlocksCleared):
                 # A restart also voids the provisional marks of requests the dead engine took (`dp_rank=None`).
                 self.index.clear(replica, dp_rank=None if event.restart else batch.dp_rank)
+                tell_cleared(self.listeners, replica, self.clock())
                 self._count(replica, "AllBlocksCleared", "restart" if event.restart else "ok")
 
     def _stored(self, replica: ReplicaName, rank: int, event: BlockStored) -> str:
@@ -132,14 +136,26 @@ class IndexIngest:
         except OverflowError:
             return "bad_event"  # a token id outside 0 .. 2**32-1: no engine sends one
         self.index.store_keys(replica, event.engine_hashes, keys, event.tier, dp_rank=rank)
-        if self.on_stored is not None:
-            self.on_stored(replica, keys)
+        if self.listeners:
+            now = self.clock()
+            for listener in self.listeners:
+                listener.on_stored(replica, keys, now)
         return "ok"
 
     def _removed(self, replica: ReplicaName, rank: int, event: BlockRemoved) -> str:
         if event.group_idx is not None and event.group_idx in self._ignored_groups.get((replica, rank), ()):
             return "ignored_group"
+        removed: list[BlockKey] = []
+        if self.listeners:  # the keys, read before the index forgets them
+            for engine_hash in event.engine_hashes:
+                key = self.index.key_of(replica, engine_hash, dp_rank=rank)
+                if key is not None:
+                    removed.append(key)
         unknown = self.index.remove_blocks(replica, event.engine_hashes, event.tier, dp_rank=rank)
+        if removed:
+            now = self.clock()
+            for listener in self.listeners:
+                listener.on_removed(replica, removed, now)
         return "ok" if unknown == 0 else "unknown_block"
 
 
@@ -148,4 +164,4 @@ def _lora_only(extra: list[object], lora_name: str) -> bool:
     return all(not keys or list(keys) == [lora_name] for keys in extra)  # type: ignore[call-overload]
 
 
-__all__ = ["BlockStore", "EventCount", "IndexIngest", "StoredKeys"]
+__all__ = ["BlockStore", "EventCount", "IndexIngest"]

@@ -4,8 +4,9 @@ A policy is a pure scorer: it receives the request's routing facts (`RouteReques
 healthy, routable replica (how many prompt tokens kvrouter believes are cached there and the replica's load), and
 returns a `Decision` with a per-candidate breakdown. `select` never changes state, so `/debug/route` can call it
 as a dry run; state a policy keeps (the round-robin cursor) moves only in `record`, which the router calls once
-the decision is acted on. The index lookup and load accounting happen outside, in the same objects for the live
-router and for virtual-time replay.
+the decision is acted on, and `first_token` tells it a request's measured time to first token (the lifecycle,
+`kvrouter.lifecycle.Routed`, calls it live and in replay alike). The index lookup and load accounting happen
+outside, in the same objects for the live router and for virtual-time replay.
 """
 
 from __future__ import annotations
@@ -83,4 +84,9 @@ class Policy(Protocol):
 
     def record(self, decision: Decision) -> None:
         """The decision was acted upon; move whatever state the policy keeps."""
+        ...
+
+    def first_token(self, decision: Decision, ttft_s: float, prompt_tokens: int) -> None:
+        """A request routed by `decision` got its first token `ttft_s` after it arrived (the router measured it).
+        A policy that learns from outcomes (kv_aware with `kv_tune`) does so here; the others ignore it."""
         ...

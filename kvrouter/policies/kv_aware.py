@@ -46,7 +46,8 @@ Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets:
   ones this router is prefilling there (other routers' traffic; 0 = trust this router's own accounting).
 - `kv_hotspot_ratio` [2.0] and `kv_hotspot_slack` [8]: the hot-spot load cap described above.
 - `kv_tune` [off]: tune `cache_weight` online against measured TTFT (`kvrouter/tuning.py`: 10% of decisions
-  probe the weight x1.25 and x0.75); the driver reports each TTFT through `observe_ttft`. Off by default: on the
+  probe the weight x1.25 and x0.75); each request's TTFT, as the router measured it, comes back through
+  `first_token` (from `kvrouter.lifecycle.Routed`, live and in replay alike). Off by default: on the
   Mooncake trace it did not beat the fixed weight (docs/benchmarks.md, "Beyond kv_aware").
 """
 
@@ -218,6 +219,11 @@ class KvAwarePolicy:
         """A request this policy routed with cache weight `used_weight` (its breakdown's) got its first token."""
         if self.tuner is not None:
             self.tuner.observe(used_weight, ttft_s, prompt_tokens)
+
+    def first_token(self, decision: Decision, ttft_s: float, prompt_tokens: int) -> None:
+        chosen = decision.score_of(decision.chosen)
+        if chosen is not None and "cache_weight" in chosen.breakdown:
+            self.observe_ttft(chosen.breakdown["cache_weight"], ttft_s, prompt_tokens)
 
     def record(self, decision: Decision) -> None:
         self._turn += 1

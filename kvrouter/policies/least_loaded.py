@@ -37,3 +37,6 @@ class LeastLoadedPolicy:
 
     def record(self, decision: Decision) -> None:
         self._turn += 1
+
+    def first_token(self, decision: Decision, ttft_s: float, prompt_tokens: int) -> None:
+        pass  # nothing to learn from outcomes

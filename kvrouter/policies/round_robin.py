@@ -47,3 +47,6 @@ class RoundRobinPolicy:
             self._credit[score.replica] = self._credit.get(score.replica, 0.0) + weight
             total += weight
         self._credit[decision.chosen] = self._credit.get(decision.chosen, 0.0) - total
+
+    def first_token(self, decision: Decision, ttft_s: float, prompt_tokens: int) -> None:
+        pass  # nothing to learn from outcomes

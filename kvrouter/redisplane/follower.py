@@ -46,6 +46,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from kvrouter.config import FleetConfig, ReplicaConfig
+from kvrouter.lifecycle import EventListener, tell_cleared
 from kvrouter.redisplane.catchup import ENTRY_ERRORS, Catchup, CatchupError, decode_entry, read_replica
 from kvrouter.redisplane.clients import redis_from_url
 from kvrouter.redisplane.entries import EntryCodec, Op, Removed, Stored, unpack_u64
@@ -78,6 +79,8 @@ class BlockSink(Protocol):
     ) -> int: ...
 
     def clear(self, replica: ReplicaName, *, dp_rank: int | None = ...) -> None: ...
+
+    def key_of(self, replica: ReplicaName, engine_hash: EngineBlockHash, *, dp_rank: int = ...) -> BlockKey | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +157,7 @@ class RedisFollower:
         knobs: FollowerKnobs | None = None,
         rng: random.Random | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        listeners: Sequence[EventListener] = (),
     ) -> None:
         self.connect = connect
         self.sink = sink
@@ -183,8 +187,10 @@ class RedisFollower:
         self._task: asyncio.Task[None] | None = None
         self._redis: Redis | None = None
         self._stopping = False
-        self.on_stored: Callable[[ReplicaName, Sequence[BlockKey]], None] | None = None
-        """Told the keys of every applied store (the feedback overlay clears its suspects there)."""
+        self.listeners = tuple(listeners)
+        """Told what the stream applies (`kvrouter.lifecycle.EventListener`: the learning overlays): stores,
+        removals, clears; and a replica unfollowed. A reload's drop-and-replace is not a clear: the engine kept
+        its cache, Redis only re-vouches for it."""
 
     # ---- health ---------------------------------------------------------------------------------------------
 
@@ -232,6 +238,7 @@ class RedisFollower:
         if followed is not None:
             self._by_stream.pop(followed.keys.stream.encode(), None)
             self._drop(followed)
+            tell_cleared(self.listeners, replica, self.clock())
             self._membership_changed = True
 
     async def context(self, app: object) -> AsyncIterator[None]:
@@ -464,6 +471,7 @@ class RedisFollower:
     def _apply(self, followed: FollowedReplica, ops: Iterable[Op]) -> None:
         replica = followed.keys.replica
         sink = self.sink
+        listeners = self.listeners
         for op in ops:
             if isinstance(op, Stored):
                 followed.ranks.add(op.rank)
@@ -471,19 +479,28 @@ class RedisFollower:
                 sink.store_keys(
                     replica, cast(list[EngineBlockHash], unpack_u64(op.hashes)), keys, Tier(op.tier), dp_rank=op.rank
                 )
-                if self.on_stored is not None:
-                    self.on_stored(replica, keys)
+                for listener in listeners:
+                    listener.on_stored(replica, keys, self.clock())
             elif isinstance(op, Removed):
-                sink.remove_blocks(
-                    replica, cast(list[EngineBlockHash], unpack_u64(op.hashes)), Tier(op.tier), dp_rank=op.rank
-                )
+                hashes = cast(list[EngineBlockHash], unpack_u64(op.hashes))
+                removed = self._keys_of(replica, hashes, op.rank) if listeners else []
+                sink.remove_blocks(replica, hashes, Tier(op.tier), dp_rank=op.rank)
+                for listener in listeners if removed else ():
+                    listener.on_removed(replica, removed, self.clock())
             elif op.rank is None:
                 for rank in sorted(followed.ranks):
                     sink.clear(replica, dp_rank=rank)
                 followed.ranks.clear()
+                tell_cleared(listeners, replica, self.clock())
             else:
                 sink.clear(replica, dp_rank=op.rank)
                 followed.ranks.discard(op.rank)
+                tell_cleared(listeners, replica, self.clock())
+
+    def _keys_of(self, replica: ReplicaName, hashes: Sequence[EngineBlockHash], rank: int) -> list[BlockKey]:
+        """The router's keys of blocks about to be removed (those the index knows)."""
+        found = (self.sink.key_of(replica, block_hash, dp_rank=rank) for block_hash in hashes)
+        return [key for key in found if key is not None]
 
     async def _follow_guarded(self, redis: Redis, group: list[FollowedReplica]) -> None:
         """`_follow`, restarted after anything but a session error: a failure of one group's task is counted

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvrouter.config import FleetConfig
+from kvrouter.lifecycle import EventListener
 from kvrouter.redisplane.clients import is_cluster, masked_url
 from kvrouter.redisplane.follower import BlockSink, FollowerHealth, FollowerKnobs, RedisFollower, connect_redis
 
@@ -110,6 +111,7 @@ def build_follower(
     registry: CollectorRegistry,
     *,
     clock: Callable[[], float] = time.monotonic,
+    listeners: Sequence[EventListener] = (),
 ) -> RedisFollower:
     follower = RedisFollower(
         lambda: connect_redis(redis_url),
@@ -119,6 +121,7 @@ def build_follower(
         clock=clock,
         # On a Cluster each replica's stream lives in its own slot: one XREAD per replica.
         knobs=FollowerKnobs(streams_per_read=1 if is_cluster(redis_url) else None),
+        listeners=listeners,
     )
     registry.register(FollowerCollector(follower))
     log.info("relay mode: following KV events in Redis at %s", masked_url(redis_url))  # never the password

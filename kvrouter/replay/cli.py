@@ -81,12 +81,8 @@ def _settings(overrides: list[str]) -> Settings:
 
 
 def replay_policy_object(name: str, settings: Settings, clock: VirtualClock) -> Policy:
-    """The policy as `build_policy` makes it, on the replay's clock where it reads one."""
-    if name == "kv_aware":
-        from kvrouter.policies.kv_aware import KvAwarePolicy
-
-        return KvAwarePolicy.from_settings(settings, clock=clock)
-    return build_policy(name, settings)
+    """The policy as `build_policy` makes it, on the replay's clock."""
+    return build_policy(name, settings, clock=clock)
 
 
 Job = Callable[[], tuple[ReplayResult, float]]
@@ -151,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         provisional_ttl_s=settings.provisional_ttl_s,
         feedback=settings.kv_feedback,
         survival=settings.kv_survival,
+        prefill_tokens_per_s=settings.kv_prefill_tokens_per_s,
         lost_removals=args.lost_removals,
         replicate=args.replicate,
         drain_at_s=args.drain_at,

@@ -2,23 +2,25 @@
 
 Routing goes through the live router's own objects — `Router` (candidates from the `PrefixIndex`, the engine's
 cached-token rule, the policy's pure `select`, then `commit`: policy state, provisional entries, a `LoadBook`
-ticket) — only the clock is virtual. Each engine runs passes back to back while it has work; a pass starts at
-the end of the previous one, or when a request reaches an idle engine. What a pass produced becomes visible at
-its end: first tokens and finishes move the load book, and its KV events reach the index then (plus
-`event_delay_s`, to model a slow event path). Engine gauges are sampled every `scrape_interval_s` of virtual time
-into `LoadBook.observe_engine`, as the live router scrapes /metrics. At equal times, pass ends and events come
-before scrapes and arrivals, and passes start last, so simultaneous arrivals share a pass.
+ticket, and a `Routed` handle that takes the request's first token, cached-token report and finish, exactly as the
+live proxy reports them; `kvrouter.lifecycle`) — only the clock is virtual. Each engine runs passes back to back
+while it has work; a pass starts at the end of the previous one, or when a request reaches an idle engine. What a
+pass produced becomes visible at its end: first tokens and finishes move the load book, and its KV events reach the
+index then (plus `event_delay_s`, to model a slow event path). Engine gauges are sampled every `scrape_interval_s`
+of virtual time into `LoadBook.observe_engine`, as the live router scrapes /metrics. At equal times, pass ends and
+events come before scrapes and arrivals, and passes start last, so simultaneous arrivals share a pass.
 
-Options beyond the plain router: `feedback` puts `FeedbackLookup` (kvrouter/feedback.py) between the router and
-the index and reports each request's `StepResult.cached_tokens` to it; `survival` puts `SurvivalLookup`
-(kvrouter/survival.py) there, fed the same KV events as the index; a policy with `observe_ttft` (kv_aware) is told
-each first token. `replicate` sends the warm-ups `HotPrefixReplicator` (kvrouter/replication.py) asks for after a
-decision; `drain_at_s` takes the last engine out of routing at that time (it finishes what it has), after warming
-its `drain_warm` hottest prefixes on the others. A warm-up is a 1-token request carrying the prefix: it counts in
-the load book and marks provisional entries like a routed request, and is left out of the results.
-`lost_removals` drops that share of the first engine's `BlockRemoved` events on their way to the router (a lossy
-event path: its index keeps blocks the engine no longer has).
-"""
+Options beyond the plain router: `feedback` and `survival` turn on the learning overlays, built by the same
+`kvrouter.overlays.build_overlays` the live app uses and fed the same way: a request's first
+`StepResult.cached_tokens` goes to `Routed.served` when it finishes (live, the usage arrives at the end of the
+answer), and every KV event the index applies goes to the overlays' `EventListener` methods (stores, removals,
+clears). The policy hears each first token through the handle (kv_aware's `kv_tune` learns from it). `replicate`
+sends the warm-ups `HotPrefixReplicator` (kvrouter/replication.py) asks for after a decision; `drain_at_s` takes the
+last engine out of routing at that time (it finishes what it has), after warming its `drain_warm` hottest prefixes
+on the others. A warm-up is a 1-token request carrying the prefix: it counts in the load book and marks provisional
+entries like a routed request, and is left out of the results. `lost_removals` drops that share of the first
+engine's `BlockRemoved` events on their way to the router (a lossy event path: its index keeps blocks the engine no
+longer has)."""
 
 from __future__ import annotations
 
@@ -29,14 +31,16 @@ from typing import cast
 
 from kvrouter.feedback import FeedbackLookup
 from kvrouter.index import PrefixIndex
+from kvrouter.lifecycle import Routed, tell_cleared
 from kvrouter.load import EngineGauges, LoadBook, Ticket
+from kvrouter.overlays import build_overlays
 from kvrouter.policies.base import Policy
 from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog, SizedPrompt
 from kvrouter.replay.trace import TraceRequest
 from kvrouter.replication import HotPrefixReplicator, PrefixHeat
-from kvrouter.routing import PrefixLookup, Route, Router, RoutingFacts
+from kvrouter.routing import Route, Router, RoutingFacts
 from kvrouter.sim.model import CacheCleared, EngineModel, EngineRequest, KvEvent, RemovedBlocks, StepResult
-from kvrouter.survival import SurvivalConfig, SurvivalLookup
+from kvrouter.survival import SurvivalLookup
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
 
 EngineFactory = Callable[[], EngineModel]
@@ -55,6 +59,8 @@ class ReplayOptions:
     provisional_ttl_s: float = 5.0
     feedback: bool = False
     survival: bool = False
+    prefill_tokens_per_s: float = 48_000.0
+    """Survival's wait estimate (`kv_prefill_tokens_per_s`, as live)."""
     lost_removals: float = 0.0
     """Share of engine-0's BlockRemoved events never delivered (evenly spread, deterministic)."""
     replicate: bool = False
@@ -138,21 +144,25 @@ class Replay:
         self.clock = clock or VirtualClock()
         self.index = PrefixIndex(provisional_ttl_s=self.options.provisional_ttl_s)
         self.load = LoadBook()
-        lookup: PrefixLookup = self.index
-        self.survival: SurvivalLookup | None = None
-        self.feedback: FeedbackLookup | None = None
-        if self.options.survival:
-            rate = getattr(getattr(policy, "config", None), "prefill_tokens_per_s", None)
-            config = SurvivalConfig() if rate is None else SurvivalConfig(prefill_tokens_per_s=rate)
-            lookup = self.survival = SurvivalLookup(lookup, self.load, config)
-        if self.options.feedback:
-            lookup = self.feedback = FeedbackLookup(lookup)
+        overlays = build_overlays(
+            self.index,
+            self.load,
+            feedback=self.options.feedback,
+            survival=self.options.survival,
+            prefill_tokens_per_s=self.options.prefill_tokens_per_s,
+        )
+        self.survival: SurvivalLookup | None = overlays.survival
+        self.feedback: FeedbackLookup | None = overlays.feedback
+        self.event_listeners = overlays.event_listeners
         self.policy = policy
         self.router = Router(
-            policy=policy, load=self.load, index=lookup, hash_seed=self.options.hash_seed, clock=self.clock
+            policy=policy,
+            load=self.load,
+            index=overlays.lookup,
+            hash_seed=self.options.hash_seed,
+            listeners=overlays.request_listeners,
+            clock=self.clock,
         )
-        self._positions: dict[str, int] = {}
-        self._weights: dict[str, float] = {}
         self._removals_lost = 0.0
         self.engines = [_Engine(name, engine_factory()) for name in replica_names(self.options.replicas)]
         block_size = self.engines[0].model.block_size
@@ -168,7 +178,9 @@ class Replay:
         self._by_name = {engine.name: engine for engine in self.engines}
         self._heap: list[tuple[float, int, int, object]] = []
         self._sequence = 0
-        self._tickets: dict[str, Ticket] = {}
+        self._routed: dict[str, Routed] = {}
+        self._warm_tickets: dict[str, Ticket] = {}
+        self._reported: dict[str, int] = {}
         self._records: dict[str, RequestRecord] = {}
         self._unfinished = 0
         self._result = ReplayResult(policy.name, [], [str(engine.name) for engine in self.engines])
@@ -226,9 +238,9 @@ class Replay:
         )
         decision = self.router.decide(facts, self.routes)
         engine = self._by_name[decision.chosen]
-        ticket = self.router.commit(decision, facts, self._route_of[engine.name])
+        routed = self.router.commit(decision, facts, self._route_of[engine.name])
         request_id = str(request.index)
-        self._tickets[request_id] = ticket
+        self._routed[request_id] = routed
         chosen = decision.score_of(decision.chosen)
         if chosen is not None and self.heat is not None:
             cached_blocks = chosen.cached_tokens // block_size
@@ -239,16 +251,13 @@ class Replay:
             warm = self.replicator.consider(decision, prepared.keys, block_size, self.now)
             if warm is not None:
                 self._warm(warm.replica, position, warm.blocks)
-        self._positions[request_id] = position
-        if chosen is not None and "cache_weight" in chosen.breakdown:
-            self._weights[request_id] = chosen.breakdown["cache_weight"]
         self._records[request_id] = RequestRecord(
             index=request.index,
             replica=str(engine.name),
             arrival=self.now,
             prompt_tokens=request.input_length,
             output_tokens=request.output_length,
-            predicted_cached=chosen.cached_tokens if chosen is not None else 0,
+            predicted_cached=routed.predicted_cached,
         )
         engine.model.add(
             EngineRequest(
@@ -282,34 +291,34 @@ class Replay:
         engine.busy = False
         now = self.now
         records = self._records
-        feedback = self.feedback
+        # In the order the live proxy sees them: first token; then, at the end, the cached-token report and finish.
+        for request_id in result.first_tokens:
+            routed = self._routed.get(request_id)
+            if routed is None:
+                self.load.first_token(self._warm_tickets[request_id])
+                continue
+            routed.first_token(now)
+            records[request_id].first_token = now
         for request_id, cached in result.cached_tokens.items():
             record = records.get(request_id)
             if record is None:
                 continue  # a warm-up
             record.cached_tokens = cached
-            if feedback is not None:
-                keys = self.prompts[self._positions[request_id]].keys
-                feedback.observe(engine.name, keys, record.predicted_cached, cached, self.catalog.block_size, now)
+            # What vLLM's usage reports is the first admission's count (a preempted request keeps it).
+            self._reported.setdefault(request_id, cached)
         for request_id in result.preempted:
             if request_id in records:
                 records[request_id].preemptions += 1
-        observe_ttft = getattr(self.policy, "observe_ttft", None)
-        for request_id in result.first_tokens:
-            self.load.first_token(self._tickets[request_id])
-            record = records.get(request_id)
-            if record is None:
-                continue
-            record.first_token = now
-            weight = self._weights.pop(request_id, None)
-            if observe_ttft is not None and weight is not None:
-                observe_ttft(weight, now - record.arrival, record.prompt_tokens)
         for request_id in result.finished:
-            self.load.finish(self._tickets.pop(request_id))
-            record = records.get(request_id)
-            if record is not None:
-                record.finish = now
-                self._unfinished -= 1
+            routed = self._routed.pop(request_id, None)
+            if routed is None:
+                self.load.finish(self._warm_tickets.pop(request_id))
+                continue
+            # The live proxy reads the usage at the end of the answer, just before the request finishes.
+            routed.served(self._reported.pop(request_id, None), now)
+            routed.finish(now)
+            records[request_id].finish = now
+            self._unfinished -= 1
         if result.events:
             if self.options.event_delay_s > 0:
                 self._push(now + self.options.event_delay_s, _KV_EVENTS, (engine, result.events))
@@ -327,7 +336,7 @@ class Replay:
         tokens = blocks * self.catalog.block_size
         request_id = f"warm-{len(self.warmups)}"
         self.warmups.append((self.now, str(replica), blocks))
-        self._tickets[request_id] = self.load.begin(replica, tokens)
+        self._warm_tickets[request_id] = self.load.begin(replica, tokens)
         if self.router.index is not None:
             self.router.index.add_provisional(replica, prepared.keys[:blocks], self.now)
         engine.model.add(EngineRequest(request_id, tokens, prepared.engine_hashes[:blocks], 1, self.now))
@@ -359,10 +368,8 @@ class Replay:
 
     def _store(self, replica: ReplicaName, hashes: list[EngineBlockHash], keys: list[BlockKey]) -> None:
         self.index.store_keys(replica, hashes, keys)
-        if self.feedback is not None:
-            self.feedback.on_stored(replica, keys)
-        if self.survival is not None:
-            self.survival.on_stored(replica, keys, self.now)
+        for listener in self.event_listeners:
+            listener.on_stored(replica, keys, self.now)
 
     def _apply_events(self, replica: ReplicaName, events: Sequence[KvEvent]) -> None:
         """Events in order, consecutive stores batched into one index call."""
@@ -377,17 +384,16 @@ class Replay:
                     hashes, keys = [], []
                 if self._lost(replica):
                     continue
-                if self.survival is not None:
+                if self.event_listeners:
                     removed = [key for key in map(key_of, event.block_hashes) if key is not None]
-                    self.survival.on_removed(replica, removed, self.now)
+                    for listener in self.event_listeners:
+                        listener.on_removed(replica, removed, self.now)
                 # Output blocks were never stored (their tokens are not in the trace): the index skips them.
                 index.remove_blocks(replica, cast(tuple[EngineBlockHash, ...], event.block_hashes))
             elif isinstance(event, CacheCleared):
                 hashes, keys = [], []
                 index.clear(replica)
-                for overlay in (self.feedback, self.survival):
-                    if overlay is not None:
-                        overlay.forget(replica)
+                tell_cleared(self.event_listeners, replica, self.now)
             else:
                 found = list(map(key_of, event.block_hashes))
                 if None not in found:
