@@ -108,4 +108,3 @@ async def test_live_zmq_store_clears_a_suspect_block_before_its_timeout(
     again = [100 + n for n in range(held)]
     await pub.send_multipart([b"kv-events", encode_seq(seq + 1), stored(again, ids[: held * BLOCK_TOKENS])])
     await eventually(client, {replica.name: cacheable_tokens(len(ids), held - 1, BLOCK_TOKENS)})
-
