@@ -211,6 +211,9 @@ def test_version_has_one_source(capsys: pytest.CaptureFixture[str]) -> None:
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").splitlines()
     headings = [line for line in changelog if line.startswith("## ")]
     assert headings[0] == "## Unreleased" and any(line.startswith(f"## {declared} - ") for line in headings)
+    # The Kubernetes overlay deploys the image of this version: a release bumps pyproject, and this check with it.
+    kustomization = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "kustomization.yaml").read_text("utf-8"))
+    assert [image["newTag"] for image in kustomization["images"] if image["name"] == "kvrouter"] == [declared]
 
 
 def test_the_pytorch_advisory_is_silenced_but_warnings_are_not() -> None:
