@@ -147,6 +147,17 @@ class RouterMetrics:
             ["replica"],
             registry=registry,
         )
+        # The client edge (kvrouter/client_limits.py, the tokenizer's prompt caps): what hostile clients were refused.
+        self.client_rejections = Counter(
+            "kvrouter_client_rejections",
+            "Client connections or requests refused at the edge, by reason (connections, header_timeout, "
+            "body_timeout, body_too_large, body_buffer_full, prompt_too_large, tokenizer_busy, bad_token_ids).",
+            ["reason"],
+            registry=registry,
+        )
+        self.client_connections = Gauge(
+            "kvrouter_client_connections", "Open client connections (capped by max_client_connections).", registry=registry
+        )
         self.events = EventMetrics(registry)
         self._timers: dict[tuple[str, str], RouteTimers] = {}
 
