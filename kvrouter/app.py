@@ -27,7 +27,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvrouter.blocks import native_block_keys
-from kvrouter.client_limits import EDGE, ClientEdge, EdgeLimits, soft_fd_limit
+from kvrouter.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
 from kvrouter.config import ConfigError, FleetConfig, Settings
 from kvrouter.events.embedded import EmbeddedEvents
 from kvrouter.feedback import FeedbackLookup
@@ -87,7 +87,13 @@ def build_prefix_parts(
         metrics.events.load_only.set(1)
     else:
         try:
-            tokenizer = HfPromptTokenizer(fleet.tokenizer, threads=settings.tokenizer_threads)
+            tokenizer = HfPromptTokenizer(
+                fleet.tokenizer,
+                threads=settings.tokenizer_threads,
+                limits=prompt_limits(settings),
+                cache_bytes=settings.tokenizer_cache_bytes,
+                on_refused=lambda reason: metrics.client_rejections.labels(reason).inc(),
+            )
         except ValueError as error:
             raise ConfigError(f"tokenizer: {error}") from None
         parts.tokenizer = tokenizer

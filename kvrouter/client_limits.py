@@ -37,6 +37,7 @@ from aiohttp.typedefs import Handler
 from kvrouter.config import Settings
 from kvrouter.metrics import RouterMetrics
 from kvrouter.streaming import REQUEST_ID_HEADER
+from kvrouter.tokenization import PromptLimits
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,15 @@ class EdgeLimits:
     def body_deadline(self, received: int) -> float:
         """Seconds a body may have taken so far, given the bytes that arrived."""
         return self.body_timeout_s + received / self.body_min_bytes_per_s
+
+
+def prompt_limits(settings: Settings) -> PromptLimits:
+    return PromptLimits(
+        max_chars=settings.max_prompt_chars,
+        max_tokens=settings.max_prompt_tokens,
+        large_chars=settings.tokenizer_large_prompt_chars,
+        large_queue=settings.tokenizer_large_queue,
+    )
 
 
 def soft_fd_limit() -> int | None:

@@ -281,6 +281,9 @@ class Settings(BaseSettings):
     tokenizer_large_prompt_chars: int = Field(
         default=32_768, ge=1, description="Prompts longer than this tokenize on one separate thread, never in the way."
     )
+    tokenizer_cache_bytes: int = Field(
+        default=256 * 1024 * 1024, ge=0, description="Bytes the tokenizer's multi-turn render cache may hold."
+    )
     tokenizer_large_queue: int = Field(
         default=8, ge=1, description="Large prompts tokenizing or waiting to; one more gets 429."
     )

@@ -156,7 +156,9 @@ class RouterMetrics:
             registry=registry,
         )
         self.client_connections = Gauge(
-            "kvrouter_client_connections", "Open client connections (capped by max_client_connections).", registry=registry
+            "kvrouter_client_connections",
+            "Open client connections (capped by max_client_connections).",
+            registry=registry,
         )
         self.events = EventMetrics(registry)
         self._timers: dict[tuple[str, str], RouteTimers] = {}
