@@ -206,29 +206,39 @@ class ClientEdge:
             connection.request_started()
         try:
             if request.body_exists:
-                if "content-encoding" in request.headers:
+                compressed = "content-encoding" in request.headers
+                if compressed:
                     # The inflated bytes go on: the label must not (the replica would inflate them again).
                     headers = request.headers.copy()
                     del headers["content-encoding"]
                     request = request.clone(headers=headers)
-                refused = await self._read_body(request)
+                refused = await self._read_body(request, compressed=compressed)
                 if refused is not None:
                     refused.headers[REQUEST_ID_HEADER] = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-                    await refused.prepare(request)
-                    await refused.write_eof()
-                    if request.transport is not None:
-                        request.transport.close()  # the rest of the body is not worth reading
+                    if compressed:
+                        await self._answer_and_close(request, refused)
+                    # Otherwise aiohttp's lingering close reads (and drops) the rest of the body for a few seconds,
+                    # so the client sees this answer instead of a reset; the response closes the connection.
                     return refused
             return await handler(request)
         finally:
             if connection is not None:
                 connection.request_finished()
 
-    async def _read_body(self, request: web.Request) -> web.Response | None:
+    @staticmethod
+    async def _answer_and_close(request: web.Request, refused: web.Response) -> None:
+        """Lingering over a refused compressed body would inflate the rest of it: cut the connection at once
+        (a client still sending may see a reset rather than the answer; a bomb's sender deserves no better)."""
+        await refused.prepare(request)
+        await refused.write_eof()
+        if request.transport is not None:
+            request.transport.close()
+
+    async def _read_body(self, request: web.Request, *, compressed: bool) -> web.Response | None:
         """Read the whole body into the request (its `read()` returns it), or the answer that refuses it."""
         limits = self.limits
         declared = request.content_length
-        if declared is not None and declared > limits.max_body_bytes and "content-encoding" not in request.headers:
+        if declared is not None and declared > limits.max_body_bytes and not compressed:
             return self._too_large()
         payload = request.content
         started = self.clock()
