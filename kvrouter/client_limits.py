@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestPayloadError
 
 from kvrouter.config import Settings
 from kvrouter.metrics import RouterMetrics
@@ -153,6 +155,7 @@ class ClientEdge:
         self.buffered = 0
         self._connections: dict[asyncio.Protocol, _Connection] = {}
         self._rejections = {reason: metrics.client_rejections.labels(reason) for reason in REASONS}
+        self.malformed = MalformedRequestLog(self)
 
     def handler_args(self) -> dict[str, Any]:
         """aiohttp's per-connection settings: the idle timer and header size bounds."""
@@ -211,7 +214,13 @@ class ClientEdge:
                     # The inflated bytes go on: the label must not (the replica would inflate them again).
                     headers = request.headers.copy()
                     del headers["content-encoding"]
-                    request = request.clone(headers=headers)
+                    try:
+                        request = request.clone(headers=headers)
+                    except UnicodeEncodeError:  # clone re-encodes headers as strict UTF-8
+                        self.refuse("malformed_request")
+                        unreadable = _error(400, "compressed requests need UTF-8 header values", "invalid_header")
+                        await self._answer_and_close(request, unreadable)
+                        return unreadable
                 refused = await self._read_body(request, compressed=compressed)
                 if refused is not None:
                     refused.headers[REQUEST_ID_HEADER] = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
@@ -231,8 +240,7 @@ class ClientEdge:
         (a client still sending may see a reset rather than the answer; a bomb's sender deserves no better)."""
         await refused.prepare(request)
         await refused.write_eof()
-        if request.transport is not None:
-            request.transport.close()
+        request.protocol.force_close()  # flushes the answer, then closes; no lingering read of the rest
 
     async def _read_body(self, request: web.Request, *, compressed: bool) -> web.Response | None:
         """Read the whole body into the request (its `read()` returns it), or the answer that refuses it."""
@@ -253,6 +261,11 @@ class ClientEdge:
                         chunk = await payload.readany()
                 except TimeoutError:
                     return self._too_slow(len(body))
+                except (RequestPayloadError, HttpProcessingError) as error:
+                    # Broken chunked framing, or a Content-Encoding the bytes do not match: the client's mistake.
+                    self.refuse("malformed_request")
+                    reason = str(error.__cause__ or error).strip().splitlines()[0][:200]
+                    return _error(400, f"the request body cannot be read: {reason}", "invalid_body")
                 if not chunk:
                     break
                 if len(body) + len(chunk) > limits.max_body_bytes:
@@ -288,6 +301,7 @@ class ClientEdge:
 
 REASONS = (
     "connections",
+    "malformed_request",
     "header_timeout",
     "body_timeout",
     "body_too_large",
@@ -296,6 +310,25 @@ REASONS = (
     "tokenizer_busy",
     "bad_token_ids",
 )
+
+
+class MalformedRequestLog(logging.Filter):
+    """aiohttp logs every request it cannot parse as an error with a traceback: a hostile client turns that into a
+    log flood. On aiohttp's server logger this counts them (reason malformed_request) and lets one line without a
+    traceback through per `LOG_INTERVAL_S`; other errors (handler bugs) pass untouched."""
+
+    def __init__(self, edge: ClientEdge) -> None:
+        super().__init__()
+        self.edge = edge
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, HttpProcessingError):
+            return True
+        self.edge.refuse("malformed_request")
+        first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        self.edge.log.warn("malformed_request", "malformed request answered 400: %s", first_line)
+        return False
 
 
 class _Connection(asyncio.Protocol):
@@ -399,6 +432,7 @@ class EdgeSite(web.BaseSite):
 
     async def start(self) -> None:
         await super().start()
+        logging.getLogger("aiohttp.server").addFilter(self._edge.malformed)
         server = self._runner.server
         assert server is not None, "the runner is set up before its sites start"
         loop = asyncio.get_running_loop()
@@ -412,6 +446,10 @@ class EdgeSite(web.BaseSite):
         self._server = listening
         if listening.sockets:
             self._bound_port = int(listening.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        await super().stop()
+        logging.getLogger("aiohttp.server").removeFilter(self._edge.malformed)
 
 
 EDGE = web.AppKey("client_edge", ClientEdge)

@@ -150,8 +150,9 @@ class RouterMetrics:
         # The client edge (kvrouter/client_limits.py, the tokenizer's prompt caps): what hostile clients were refused.
         self.client_rejections = Counter(
             "kvrouter_client_rejections",
-            "Client connections or requests refused at the edge, by reason (connections, header_timeout, "
-            "body_timeout, body_too_large, body_buffer_full, prompt_too_large, tokenizer_busy, bad_token_ids).",
+            "Client connections or requests refused at the edge, by reason (connections, malformed_request, "
+            "header_timeout, body_timeout, body_too_large, body_buffer_full, prompt_too_large, tokenizer_busy, "
+            "bad_token_ids).",
             ["reason"],
             registry=registry,
         )

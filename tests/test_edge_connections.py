@@ -150,6 +150,15 @@ async def test_a_gzip_bomb_is_a_413_without_inflating_past_the_cap(fake_replicas
                 assert response.status == 200, await response.text()
             seen = replicas[0].completions_seen()[-1]
             assert seen.body == COMPLETION and "content-encoding" not in seen.headers
+        # A body that is not what its Content-Encoding says is the client's mistake: 400, not 500.
+        for encoding in ("gzip", "deflate", "br"):
+            headers = {"Content-Encoding": encoding, "Content-Type": "application/json"}
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"{router.url}/v1/completions", data=COMPLETION, headers=headers) as response,
+            ):
+                assert response.status == 400, encoding
+                assert (await response.json())["error"]["code"] == "invalid_body"
 
 
 async def test_bodies_being_read_share_one_buffer_budget(fake_replicas: ReplicaFactory) -> None:
