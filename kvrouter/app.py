@@ -29,6 +29,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvrouter.blocks import native_block_keys
+from kvrouter.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
 from kvrouter.config import ConfigError, FleetConfig, Settings
 from kvrouter.events.embedded import EmbeddedEvents
 from kvrouter.fleet_control import install_admin
@@ -105,7 +106,13 @@ def build_prefix_parts(
         metrics.events.load_only.set(1)
     else:
         try:
-            tokenizer = HfPromptTokenizer(fleet.tokenizer, threads=settings.tokenizer_threads)
+            tokenizer = HfPromptTokenizer(
+                fleet.tokenizer,
+                threads=settings.tokenizer_threads,
+                limits=prompt_limits(settings),
+                cache_bytes=settings.tokenizer_cache_bytes,
+                on_refused=lambda reason: metrics.client_rejections.labels(reason).inc(),
+            )
         except ValueError as error:
             raise ConfigError(f"tokenizer: {error}") from None
         parts.tokenizer = tokenizer
@@ -147,8 +154,13 @@ def create_app(
     clock: Callable[[], float] = time.monotonic,
 ) -> web.Application:
     """A ready-to-run application; the caller runs it (with handler cancellation, see `kvrouter.serve`)."""
-    app = web.Application(client_max_size=settings.max_body_bytes, handler_args={"max_field_size": 65536})
     metrics = RouterMetrics(registry if registry is not None else CollectorRegistry(auto_describe=True))
+    # The client edge reads every body first (outermost middleware) and bounds connections (kvrouter/client_limits).
+    edge = ClientEdge(EdgeLimits.from_settings(settings, soft_fd_limit()), metrics)
+    app = web.Application(
+        client_max_size=settings.max_body_bytes, handler_args=edge.handler_args(), middlewares=[edge.middleware]
+    )
+    app[EDGE] = edge
     load = LoadBook()
     prefix = build_prefix_parts(settings, fleet, metrics, clock, load)
     router = Router(

@@ -350,3 +350,44 @@ class Settings(BaseSettings):
     max_scrape_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1024, description="Largest /metrics or /health body read from a replica."
     )
+    # The client edge (issue 15, hostile clients; kvrouter/client_limits.py): what one client may hold.
+    client_header_timeout_s: float = Field(
+        default=10.0, gt=0, description="Time a client gets to send a request's line and headers once it began."
+    )
+    client_idle_timeout_s: float = Field(
+        default=75.0, gt=0, description="An idle connection (no request begun) is closed after this long."
+    )
+    client_body_timeout_s: float = Field(
+        default=10.0, gt=0, description="Grace for a request body; a body that stays slower than the rate below..."
+    )
+    client_body_min_bytes_per_s: int = Field(
+        default=16384, ge=1, description="...after the grace is cut off: 408 and the connection is closed."
+    )
+    max_client_connections: int = Field(
+        default=4096,
+        ge=1,
+        description=(
+            "Open client connections; beyond it a new one gets 503 and is closed (also capped by the process's "
+            "file-descriptor limit, less 256 kept for replicas and Redis)."
+        ),
+    )
+    client_body_buffer_bytes: int = Field(
+        default=1024 * 1024 * 1024,
+        ge=1024,
+        description="Request body bytes all clients together may have buffered while their bodies arrive; 429 beyond.",
+    )
+    max_prompt_chars: int = Field(
+        default=1_000_000, ge=1, description="Largest prompt in characters (message contents), 413 before tokenizing."
+    )
+    max_prompt_tokens: int = Field(
+        default=262_144, ge=1, description="Largest prompt in tokens (token-id prompts before, text after tokenizing)."
+    )
+    tokenizer_large_prompt_chars: int = Field(
+        default=32_768, ge=1, description="Prompts longer than this tokenize on one separate thread, never in the way."
+    )
+    tokenizer_cache_bytes: int = Field(
+        default=256 * 1024 * 1024, ge=0, description="Bytes the tokenizer's multi-turn render cache may hold."
+    )
+    tokenizer_large_queue: int = Field(
+        default=8, ge=1, description="Large prompts tokenizing or waiting to; one more gets 429."
+    )

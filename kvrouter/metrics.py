@@ -155,10 +155,18 @@ class RouterMetrics:
             ["replica", "reason"],
             registry=registry,
         )
-        self.edge_refusals = Counter(
-            "kvrouter_edge_refusals",
-            "Client requests refused before any replica was involved, by reason (request_target, path_not_allowed).",
+        # The client edge (kvrouter/client_limits.py, the tokenizer's prompt caps): what hostile clients were refused.
+        self.client_rejections = Counter(
+            "kvrouter_client_rejections",
+            "Client connections or requests refused at the edge, by reason (connections, malformed_request, "
+            "header_timeout, body_timeout, body_too_large, body_buffer_full, prompt_too_large, tokenizer_busy, "
+            "bad_token_ids, request_target, path_not_allowed).",
             ["reason"],
+            registry=registry,
+        )
+        self.client_connections = Gauge(
+            "kvrouter_client_connections",
+            "Open client connections (capped by max_client_connections).",
             registry=registry,
         )
         self.events = EventMetrics(registry)

@@ -69,6 +69,15 @@ def _optional_int(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
+MAX_TOKEN_ID = 2**32 - 1
+"""Engines and block hashing take token ids as unsigned 32-bit integers."""
+
+
+def _check_ids(ids: list[int]) -> None:
+    if any(t < 0 or t > MAX_TOKEN_ID for t in ids):
+        raise _fail(f"token ids in 'prompt' must be between 0 and {MAX_TOKEN_ID}", "prompt")
+
+
 def _is_int_list(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
@@ -84,12 +93,11 @@ def _check_prompt(prompt: object) -> str | list[str] | list[int] | list[list[int
                 raise _fail("'prompt' must not contain empty strings", "prompt")
             return prompt
         if _is_int_list(prompt):
-            if any(t < 0 for t in prompt):
-                raise _fail("token ids in 'prompt' must be non-negative", "prompt")
+            _check_ids(prompt)
             return prompt
         if all(_is_int_list(p) and p for p in prompt):
-            if any(t < 0 for p in prompt for t in p):
-                raise _fail("token ids in 'prompt' must be non-negative", "prompt")
+            for ids in prompt:
+                _check_ids(ids)
             return prompt
     raise _fail(
         "'prompt' must be a non-empty string, a list of strings, a list of token ids or a list of token-id lists",

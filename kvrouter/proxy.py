@@ -162,7 +162,7 @@ class Proxy:
             return await handler(request)
         # `OPTIONS *` (asterisk-form) or `GET http://host/x` (absolute-form): both are for proxies and servers
         # themselves, never for an API; forwarded, they made invalid upstream URLs charged to every replica.
-        self.metrics.edge_refusals.labels("request_target").inc()
+        self.metrics.client_rejections.labels("request_target").inc()
         refused = RequestError(
             "the request target must be a path (origin-form), not '*' or an absolute URL",
             status=400,
@@ -519,7 +519,7 @@ class Proxy:
         try:
             self.check_client(request)
             if not self.passthrough_paths.allows(request.raw_path.partition("?")[0]):
-                self.metrics.edge_refusals.labels("path_not_allowed").inc()
+                self.metrics.client_rejections.labels("path_not_allowed").inc()
                 raise RequestError(f"no such endpoint: {request.method} {request.path}", status=404, code="not_found")
         except RequestError as error:
             return error_response(error, request_id)
@@ -558,7 +558,7 @@ class Proxy:
                     upstream = await self._until_first_byte(replica, sent)
                 except aiohttp.InvalidURL:
                     # Built from what the client sent: its fault, never the replica's (this opened every breaker).
-                    self.metrics.edge_refusals.labels("request_target").inc()
+                    self.metrics.client_rejections.labels("request_target").inc()
                     raise RequestError(
                         "the request target cannot be forwarded", code="invalid_request_target"
                     ) from None

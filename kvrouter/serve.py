@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from kvrouter.app import create_app
+from kvrouter.client_limits import EDGE, EdgeSite
 from kvrouter.config import POLICY_NAMES, ConfigError, FleetConfig, Settings, load_fleet
 
 log = logging.getLogger("kvrouter")
@@ -90,7 +91,7 @@ async def serve(
     """Serve `app` until SIGTERM/SIGINT; `ready` gets the bound port (useful with port 0)."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=settings.shutdown_grace_s, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, backlog=2048, reuse_port=settings.workers > 1)
+    site = EdgeSite(runner, app[EDGE], settings.host, settings.port, backlog=2048, reuse_port=settings.workers > 1)
     try:
         await site.start()
     except OSError as error:
@@ -101,10 +102,7 @@ async def serve(
     # collector's view keeps full collections, which would otherwise walk it all, from stalling requests.
     gc.collect()
     gc.freeze()
-    port = settings.port
-    server = getattr(site, "_server", None)
-    if server is not None and server.sockets:
-        port = server.sockets[0].getsockname()[1]
+    port = site.port
     log.info(
         "kvrouter listening on %s:%d; policy %s; %d replicas",
         settings.host,

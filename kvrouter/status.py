@@ -139,6 +139,6 @@ class StatusEndpoints:
             raise RequestError("endpoint must be 'chat' or 'completion'", param="endpoint")
         try:
             body = json.loads(raw)
-        except ValueError:
-            return "chat"  # parse_request reports the JSON problem
+        except (ValueError, RecursionError):
+            return "chat"  # parse_request reports the JSON problem (too deep a nesting included) as a 400
         return "completion" if isinstance(body, dict) and "prompt" in body and "messages" not in body else "chat"

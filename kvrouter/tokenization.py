@@ -17,8 +17,15 @@ tokenizes only the rest. Added tokens for which splitting there is not exact on 
 tokens, SentencePiece's "prepend to the first piece") are never used as boundaries. The result equals
 tokenizing from scratch (tests check it on every path).
 
-Knobs: `threads` (tokenizer worker threads; HF fast tokenizers release the GIL), `cache_entries` and
-`cache_chars` (bound the cache). A request that cannot be rendered raises `RequestError` (400).
+Hostile prompts (`PromptLimits`): a prompt longer than `max_chars` characters (message contents, tools,
+documents, prompt strings: counted before rendering) or `max_tokens` tokens (token-id prompts before anything,
+text after tokenizing) is a 413; token ids outside the tokenizer's vocabulary are a 400. A prompt longer than
+`large_chars` tokenizes on its own single thread, so small requests never queue behind it; at most `large_queue`
+such prompts tokenize or wait at once, one more is a 429.
+
+Knobs: `threads` (tokenizer worker threads for ordinary prompts; HF fast tokenizers release the GIL), `limits`,
+`cache_entries` and `cache_bytes` (bound the cache: ids are kept as 4-byte arrays and every entry's bytes are
+counted — text, ids, boundaries and overhead). A request that cannot be rendered raises `RequestError` (400).
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ import asyncio
 import itertools
 import json
 import re
+import sys
 import threading
+from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +51,66 @@ _HEAD_CHARS = 256
 _PER_HEAD = 8
 _MIN_REUSE_CHARS = 512
 _LIST_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\]|\.content)")
+
+
+_ENTRY_OVERHEAD = 512
+"""Bytes an entry costs beyond its text and arrays: the entry object, dict and LRU slots, its head key."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimits:
+    max_chars: int = 1_000_000
+    max_tokens: int = 262_144
+    large_chars: int = 32_768
+    large_queue: int = 8
+
+
+def prompt_chars(request: ParsedRequest) -> int:
+    """Characters of every string the prompt is made of (walked without recursion: nesting depth is the client's)."""
+    if request.endpoint != "chat":
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return len(prompt)
+        return sum(len(p) for p in prompt or () if isinstance(p, str))
+    body = request.body
+    stack: list[object] = [request.messages, body.get("tools"), body.get("documents"), body.get("chat_template_kwargs")]
+    total = 0
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+    return total
+
+
+def _too_large(what: str, limit: int) -> RequestError:
+    return RequestError(
+        f"the prompt is longer than {limit} {what} (the router's limit)",
+        status=413,
+        code="prompt_too_large",
+        param="messages" if what == "characters" else "prompt",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """A cached render in compact form: ids as 4-byte unsigned ints, offsets as 8-byte ints."""
+
+    text: str
+    ids: array[int]
+    boundaries: array[int]
+    counts: array[int]
+
+    @classmethod
+    def of(cls, render: _Render) -> _Stored:
+        return cls(render.text, array("I", render.ids), array("q", render.boundaries), array("q", render.counts))
+
+    def nbytes(self) -> int:
+        arrays = sum(len(a) * a.itemsize for a in (self.ids, self.boundaries, self.counts))
+        return sys.getsizeof(self.text) + arrays + _ENTRY_OVERHEAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +126,12 @@ class _Render:
 class RenderCache:
     """Bounded LRU of rendered chat texts and their ids, findable by a shared leading text (thread-safe)."""
 
-    def __init__(self, *, max_entries: int = 1024, max_chars: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, *, max_entries: int = 1024, max_bytes: int = 256 * 1024 * 1024) -> None:
         self.max_entries = max_entries
-        self.max_chars = max_chars
-        self._entries: OrderedDict[str, _Render] = OrderedDict()
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, _Stored] = OrderedDict()
         self._by_head: dict[str, list[str]] = {}
-        self._chars = 0
+        self.nbytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.partial_hits = 0
@@ -75,14 +144,14 @@ class RenderCache:
                 return None
             self._entries.move_to_end(text)
             self.hits += 1
-            return render.ids
+            return render.ids.tolist()
 
     def best_prefix(self, text: str) -> _Render | None:
         """The cached render's part (text, ids, boundaries) up to the last safe boundary inside the longest
         prefix it shares with `text`."""
         with self._lock:
             candidates = [self._entries[t] for t in self._by_head.get(text[:_HEAD_CHARS], ()) if t in self._entries]
-        best: tuple[_Render, int] | None = None
+        best: tuple[_Stored, int] | None = None
         for render in candidates:
             shared = _shared_prefix(render.text, text)
             position = bisect_right(render.boundaries, shared) - 1
@@ -95,29 +164,31 @@ class RenderCache:
                 boundary = render.boundaries[position]
                 return _Render(
                     render.text[:boundary],
-                    render.ids[: render.counts[position]],
-                    render.boundaries[: position + 1],
-                    render.counts[: position + 1],
+                    render.ids[: render.counts[position]].tolist(),
+                    render.boundaries[: position + 1].tolist(),
+                    render.counts[: position + 1].tolist(),
                 )
             self.misses += 1
             return None
 
     def put(self, render: _Render) -> None:
-        if len(render.text) > self.max_chars:
+        stored = _Stored.of(render)
+        size = stored.nbytes()
+        if size > self.max_bytes:
             return
         with self._lock:
             if render.text in self._entries:
                 self._entries.move_to_end(render.text)
                 return
-            self._entries[render.text] = render
-            self._chars += len(render.text)
+            self._entries[render.text] = stored
+            self.nbytes += size
             head = self._by_head.setdefault(render.text[:_HEAD_CHARS], [])
             head.append(render.text)
             if len(head) > _PER_HEAD:
                 del head[0]
-            while len(self._entries) > self.max_entries or self._chars > self.max_chars:
-                old_text, _ = self._entries.popitem(last=False)
-                self._chars -= len(old_text)
+            while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+                old_text, old = self._entries.popitem(last=False)
+                self.nbytes -= old.nbytes()
                 bucket = self._by_head.get(old_text[:_HEAD_CHARS])
                 if bucket is not None and old_text in bucket:
                     bucket.remove(old_text)
@@ -150,8 +221,10 @@ class HfPromptTokenizer:
         path: str | Path,
         *,
         threads: int = 2,
+        limits: PromptLimits | None = None,
         cache_entries: int = 1024,
-        cache_chars: int = 64 * 1024 * 1024,
+        cache_bytes: int = 256 * 1024 * 1024,
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -161,8 +234,14 @@ class HfPromptTokenizer:
             raise ValueError(f"cannot load the tokenizer from {path}: {error}") from error
         if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError(f"the tokenizer in {path} is not a fast (Rust) tokenizer")
-        self.cache = RenderCache(max_entries=cache_entries, max_chars=cache_chars)
+        self.cache = RenderCache(max_entries=cache_entries, max_bytes=cache_bytes)
+        self.limits = limits or PromptLimits()
+        self._on_refused = on_refused or (lambda reason: None)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvrouter-tokenizer")
+        # One thread of its own for large prompts: ordinary requests never wait behind them.
+        self._large_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrouter-tokenizer-large")
+        self._large_pending = 0
+        self.vocab_size = len(self.tokenizer)
         atomic = {
             token_id: added.content
             for token_id, added in self.tokenizer.added_tokens_decoder.items()
@@ -182,6 +261,7 @@ class HfPromptTokenizer:
         Catches what the token flags do not tell: a longer added token that overlaps this one, or a
         pre-tokenizer that treats the first piece of an input differently (SentencePiece's "prepend first").
         """
+
         def ids(text: str) -> list[int]:
             return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -193,10 +273,54 @@ class HfPromptTokenizer:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._large_pool.shutdown(wait=False, cancel_futures=True)
 
     async def prompt_token_ids(self, request: ParsedRequest) -> list[list[int]]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.token_ids, request)
+        """Token ids of every prompt of `request`; 413/400/429 `RequestError`s for what the limits refuse."""
+        try:
+            chars = self.check(request)
+            loop = asyncio.get_running_loop()
+            if chars <= self.limits.large_chars:
+                return await loop.run_in_executor(self._pool, self.token_ids, request)
+            if self._large_pending >= self.limits.large_queue:
+                raise RequestError(
+                    "too many large prompts are being tokenized; retry later",
+                    status=429,
+                    code="tokenizer_busy",
+                    type_="server_error",
+                )
+            self._large_pending += 1
+            try:
+                return await loop.run_in_executor(self._large_pool, self.token_ids, request)
+            finally:
+                self._large_pending -= 1
+        except RequestError as error:
+            reason = _REFUSALS.get(error.code)
+            if reason is not None:
+                self._on_refused(reason)
+            raise
+
+    def check(self, request: ParsedRequest) -> int:
+        """The prompt's characters, once they and any token ids are within the limits (cheap: no tokenizing)."""
+        chars = prompt_chars(request)
+        if chars > self.limits.max_chars:
+            raise _too_large("characters", self.limits.max_chars)
+        prompt = request.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+            batch = prompt if isinstance(prompt[0], list) else [prompt]
+            for ids in batch:
+                self._check_ids(ids)
+        return chars
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if len(ids) > self.limits.max_tokens:
+            raise _too_large("tokens", self.limits.max_tokens)
+        if ids and max(ids) >= self.vocab_size:
+            raise RequestError(
+                f"token id {max(ids)} is outside the model's vocabulary of {self.vocab_size}",
+                param="prompt",
+                code="invalid_token_id",
+            )
 
     # ---- synchronous core (runs on the pool) --------------------------------------------------------------
 
@@ -212,6 +336,8 @@ class HfPromptTokenizer:
         truncate = body.get("truncate_prompt_tokens")
         if isinstance(truncate, int) and not isinstance(truncate, bool) and truncate > 0:
             prompts = [ids[-truncate:] for ids in prompts]
+        if any(len(ids) > self.limits.max_tokens for ids in prompts):
+            raise _too_large("tokens", self.limits.max_tokens)
         return prompts
 
     def _completion_ids(self, request: ParsedRequest, add_special: bool) -> list[list[int]]:
@@ -358,11 +484,21 @@ def _tool_call(call: object) -> object:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def build_prompt_tokenizer(path: str | Path | None, *, threads: int) -> HfPromptTokenizer | None:
+# RequestError code -> kvrouter_client_rejections_total reason, for the refusals the limits make.
+_REFUSALS = {
+    "prompt_too_large": "prompt_too_large",
+    "tokenizer_busy": "tokenizer_busy",
+    "invalid_token_id": "bad_token_ids",
+}
+
+
+def build_prompt_tokenizer(
+    path: str | Path | None, *, threads: int, limits: PromptLimits | None = None
+) -> HfPromptTokenizer | None:
     """The fleet's tokenizer, or None when replicas.yaml names none (routing falls back to load only)."""
     if path is None:
         return None
-    return HfPromptTokenizer(path, threads=threads)
+    return HfPromptTokenizer(path, threads=threads, limits=limits)
 
 
-__all__ = ["HfPromptTokenizer", "RenderCache", "build_prompt_tokenizer"]
+__all__ = ["HfPromptTokenizer", "PromptLimits", "RenderCache", "build_prompt_tokenizer", "prompt_chars"]

@@ -69,7 +69,7 @@ async def test_asterisk_and_absolute_targets_are_refused_and_charge_no_replica(
     assert breaker_opens(client) == 0
     assert all(r.state is BreakerState.CLOSED and r.consecutive_failures == 0 for r in client.app[REPLICAS])
     assert all(not r.path.startswith("*") and "evil" not in r.path for rep in replicas for r in rep.seen)
-    assert sample(client, "kvrouter_edge_refusals_total", reason="request_target") == 30
+    assert sample(client, "kvrouter_client_rejections_total", reason="request_target") == 30
 
 
 # -- 2. the pass-through allow-list and the concurrency limit ------------------------------------------------
@@ -98,7 +98,7 @@ async def test_only_allow_listed_paths_pass_through(fake_replicas: ReplicaFactor
     assert sub.status == 404 and sub.headers["x-kvrouter-replica"] in ("r0", "r1")
     seen = [r.path for rep in replicas for r in rep.seen]
     assert seen == ["/tokenize"]  # (the fake records the routes it has; the refused paths never arrived)
-    assert sample(client, "kvrouter_edge_refusals_total", reason="path_not_allowed") == len(refused)
+    assert sample(client, "kvrouter_client_rejections_total", reason="path_not_allowed") == len(refused)
 
 
 async def test_the_allow_list_is_a_setting(fake_replicas: ReplicaFactory, make_router: RouterFactory) -> None:

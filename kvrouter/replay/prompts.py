@@ -68,8 +68,18 @@ class SizedPrompt(Sequence[int]):
 class PromptCatalog:
     """Tokens, keys and engine hashes for a trace's requests at one engine block size."""
 
-    def __init__(self, *, trace_block_tokens: int, block_size: int, hash_seed: int = 0, token_seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        trace_block_tokens: int,
+        block_size: int,
+        hash_seed: int = 0,
+        token_seed: int = 0,
+        vocab: int = _VOCAB,
+    ) -> None:
         self.trace_block_tokens = trace_block_tokens
+        self.vocab = vocab
+        """Token ids are drawn from [0, vocab): a live router rejects ids outside its tokenizer's vocabulary."""
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.token_seed = token_seed
@@ -84,7 +94,7 @@ class PromptCatalog:
         start = np.uint64((seed * _MIX + self.token_seed) & _MASK64)
         step = np.uint64(((seed * _MIX) >> 17 | 1) & _MASK64)
         values = (start + self._ramp[:count] * step) >> np.uint64(40)
-        return array("I", (values % np.uint64(_VOCAB)).astype(np.uint32).tobytes())
+        return array("I", (values % np.uint64(self.vocab)).astype(np.uint32).tobytes())
 
     def _block_tokens(self, chain_id: int) -> array[int]:
         return self._sequence(chain_id + 1, self.trace_block_tokens)
