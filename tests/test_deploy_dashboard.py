@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from kvrouter.app import FLEET, create_app
 from kvrouter.config import load_fleet
 from tests.conftest import router_settings, stop_process
 from tests.deploy_support import DEPLOY, free_block
+from tests.shared_data import ci_tool
 
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kvrouter.json"
 METRIC = re.compile(r"\b(kvrouter_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
@@ -185,9 +185,7 @@ def load_model_name(client: TestClient[Any, Any]) -> str:
 @pytest.fixture
 def prometheus(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], tuple[str, subprocess.Popen[bytes]]]]:
     """`prometheus(config)` starts a Prometheus on 127.0.0.1 with that config; yields (API URL, process)."""
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip("prometheus not installed (Debian package `prometheus`)")
+    binary = ci_tool("prometheus", "prometheus")
     started: list[subprocess.Popen[bytes]] = []
 
     def start(config: dict[str, Any]) -> tuple[str, subprocess.Popen[bytes]]:

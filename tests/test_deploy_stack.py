@@ -158,8 +158,6 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 def sim_stack(redis_server: RedisServer, tmp_path: Path) -> Iterator[Stack]:
     from kvrouter.tinymodel import ensure_tokenizer
 
-    if not redis_mode_follows_events():
-        pytest.skip("this build's routers do not follow KV events through Redis yet")
     compose = load_compose({"KVROUTER_FLEET": "replicas-sim", "KVROUTER_ADMIN_TOKEN": TOKEN})
     services = services_in(compose, "sim")
     fleet = yaml.safe_load((DEPLOY / "replicas-sim.yaml").read_text(encoding="utf-8"))
@@ -220,19 +218,6 @@ async def ask(
         answer = await response.json()
         cached = int(((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         return response.headers["x-kvrouter-replica"], cached
-
-
-def redis_mode_follows_events() -> bool:
-    from prometheus_client import CollectorRegistry
-
-    from kvrouter.app import build_prefix_parts
-    from kvrouter.config import Settings, parse_fleet
-    from kvrouter.metrics import RouterMetrics
-
-    fleet = parse_fleet({"replicas": [{"name": "a", "url": "http://127.0.0.1:9"}]}, Path("replicas.yaml"))
-    settings = Settings(redis_url="redis://127.0.0.1:9/0")
-    parts = build_prefix_parts(settings, fleet, RouterMetrics(CollectorRegistry()), time.monotonic)
-    return parts.events is not None
 
 
 async def drain(session: aiohttp.ClientSession, router: str, replica: str, draining: bool) -> None:

@@ -8,7 +8,6 @@ them through the topology's URL and end with the relay's state.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from kvrouter.relay import Relay
 from kvrouter.typedefs import ReplicaName
 from tests.redis_fixtures import RedisServer, free_port
 from tests.redis_plane_support import SyntheticEngine, index_view, synthetic_fleet
+from tests.shared_data import ci_tool
 
 pytestmark = pytest.mark.redis
 NAMES = [ReplicaName(f"r{i}") for i in range(3)]
@@ -58,9 +58,7 @@ def sentinel_url(tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def cluster_url(tmp_path: Path) -> Iterator[str]:
-    cli = shutil.which("redis-cli")
-    if cli is None:
-        pytest.skip("redis-cli is not installed")
+    cli = ci_tool("redis-cli", "redis-tools, a dependency of redis-server")
     nodes = [RedisServer(tmp_path / f"node{i}") for i in range(3)]
     for node in nodes:
         node.command = _cluster_command(node)  # type: ignore[method-assign]

@@ -8,7 +8,6 @@ within one point, and at least 95% of requests with a TTFT within 10% of Dynamo'
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import pytest
 
@@ -19,10 +18,10 @@ from kvrouter.replay.driver import replay_policy
 from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog
 from kvrouter.replay.trace import Trace, load_trace
 from kvrouter.sim.profiles import build_engine, get_profile
+from tests.shared_data import DYNAMO_ANCHORS, MOONCAKE_CONVERSATION, requires_shared
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-TRACE = SHARED / "traces" / "mooncake" / "conversation_trace.jsonl"
-ANCHORS = SHARED / "anchors" / "dynamo-1.6.1-replay"
+TRACE = MOONCAKE_CONVERSATION
+ANCHORS = DYNAMO_ANCHORS
 
 # Dynamo's round-robin rows (anchor README): TTFT p50/p90/p99, e2e p50/p99 in ms, prefix hit.
 DYNAMO_ROUND_ROBIN = {
@@ -30,9 +29,7 @@ DYNAMO_ROUND_ROBIN = {
     3.0: ((1456, 8860, 15630), (27581, 90059), 0.0840),
 }
 
-pytestmark = pytest.mark.skipif(
-    not (TRACE.is_file() and ANCHORS.is_dir()), reason=f"shared trace or Dynamo anchors not found under {SHARED}"
-)
+_shared_data = requires_shared(TRACE, ANCHORS)
 
 
 @pytest.fixture(scope="module")
