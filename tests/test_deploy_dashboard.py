@@ -96,9 +96,24 @@ def sim_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     base = free_block(2)
     kv_base = free_block(4)
     command = [
-        sys.executable, "-m", "kvrouter.cli", "sim", "--replicas", "2", "--profile", "cpu-tiny",
-        "--base-port", str(base), "--kv-base-port", str(kv_base), "--write-replicas", str(fleet_file),
-        "--time-scale", "20", "--log-level", "warning",
+        sys.executable,
+        "-m",
+        "kvrouter.cli",
+        "sim",
+        "--replicas",
+        "2",
+        "--profile",
+        "cpu-tiny",
+        "--base-port",
+        str(base),
+        "--kv-base-port",
+        str(kv_base),
+        "--write-replicas",
+        str(fleet_file),
+        "--time-scale",
+        "20",
+        "--log-level",
+        "warning",
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -192,7 +207,9 @@ def prometheus(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], tuple[str,
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config), encoding="utf-8")
         port = free_block(1)
         command = [
-            binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+            binary,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
         ]
         process = subprocess.Popen(

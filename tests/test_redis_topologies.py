@@ -36,9 +36,7 @@ def sentinel_url(tmp_path: Path) -> Iterator[str]:
     master.start()
     port = free_port()
     config = tmp_path / "sentinel.conf"
-    config.write_text(
-        f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\nsentinel monitor kvr 127.0.0.1 {master.port} 1\n"
-    )
+    config.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\nsentinel monitor kvr 127.0.0.1 {master.port} 1\n")
     sentinel = subprocess.Popen([master.binary, str(config), "--sentinel"], stdout=subprocess.DEVNULL)
     try:
         client = redis_sync.Redis(port=port)
@@ -88,9 +86,12 @@ def _cluster_command(node: RedisServer):  # type: ignore[no-untyped-def]
     def command() -> list[str]:
         return [
             *base(node),
-            "--cluster-enabled", "yes",
-            "--cluster-config-file", str(node.directory / "nodes.conf"),
-            "--cluster-port", str(bus_port),
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            str(node.directory / "nodes.conf"),
+            "--cluster-port",
+            str(bus_port),
         ]
 
     return command
