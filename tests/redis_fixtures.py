@@ -26,6 +26,8 @@ from urllib.parse import quote
 
 import pytest
 
+from tests.shared_data import ci_tool
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -74,10 +76,7 @@ class RedisServer:
         password: str | None = None,
         tls: TlsFiles | None = None,
     ) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server is not installed (Debian package redis-server)")
-        self.binary = binary
+        self.binary = ci_tool("redis-server", "redis-server")
         self.directory = directory
         self.persistent = persistent
         self.port = port or free_port()

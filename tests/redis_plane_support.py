@@ -10,27 +10,21 @@ import random
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 import zmq
 import zmq.asyncio
 
 from kvrouter.config import FleetConfig, KvEventsConfig, ReplicaConfig
 from kvrouter.index import PrefixIndex
 from kvrouter.typedefs import EngineBlockHash, ReplicaName
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-KV_EVENTS = SHARED / "fixtures" / "vllm-kv-events"
+from tests.shared_data import VLLM_CAPTURES, shared
 
 
 def fixture_frames(run: str) -> list[list[bytes]]:
     """The raw ZMQ messages [topic, seq, payload] a real vLLM published in `run`."""
-    frames_dir = KV_EVENTS / "runs" / run / "frames"
-    if not frames_dir.is_dir():
-        pytest.skip(f"real vLLM KV-event captures not found at {frames_dir}")
+    frames_dir = shared(VLLM_CAPTURES / "runs" / run / "frames")
     messages = []
     for line in (frames_dir / "index.jsonl").read_text().splitlines():
         record = json.loads(line)

@@ -133,7 +133,8 @@ def test_report_md_links_the_plots_it_has() -> None:
 
 def test_replica_load_rows_share_one_y_scale() -> None:
     # Each row used to get its own y scale, so a replica queueing 40 requests looked like one queueing 2.
-    matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from kvrouter.app import FLEET, create_app
 from kvrouter.config import load_fleet
 from tests.conftest import router_settings, stop_process
 from tests.deploy_support import DEPLOY, free_block
+from tests.shared_data import ci_tool
 
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kvrouter.json"
 METRIC = re.compile(r"\b(kvrouter_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
@@ -96,9 +96,24 @@ def sim_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     base = free_block(2)
     kv_base = free_block(4)
     command = [
-        sys.executable, "-m", "kvrouter.cli", "sim", "--replicas", "2", "--profile", "cpu-tiny",
-        "--base-port", str(base), "--kv-base-port", str(kv_base), "--write-replicas", str(fleet_file),
-        "--time-scale", "20", "--log-level", "warning",
+        sys.executable,
+        "-m",
+        "kvrouter.cli",
+        "sim",
+        "--replicas",
+        "2",
+        "--profile",
+        "cpu-tiny",
+        "--base-port",
+        str(base),
+        "--kv-base-port",
+        str(kv_base),
+        "--write-replicas",
+        str(fleet_file),
+        "--time-scale",
+        "20",
+        "--log-level",
+        "warning",
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -185,16 +200,16 @@ def load_model_name(client: TestClient[Any, Any]) -> str:
 @pytest.fixture
 def prometheus(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], tuple[str, subprocess.Popen[bytes]]]]:
     """`prometheus(config)` starts a Prometheus on 127.0.0.1 with that config; yields (API URL, process)."""
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip("prometheus not installed (Debian package `prometheus`)")
+    binary = ci_tool("prometheus", "prometheus")
     started: list[subprocess.Popen[bytes]] = []
 
     def start(config: dict[str, Any]) -> tuple[str, subprocess.Popen[bytes]]:
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config), encoding="utf-8")
         port = free_block(1)
         command = [
-            binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+            binary,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
         ]
         process = subprocess.Popen(

@@ -44,6 +44,7 @@ from tests.deploy_support import (
     port_of,
     services_in,
 )
+from tests.shared_data import ci_tool
 
 FLEET_FILES = {"replicas": "gpu", "replicas-sim": "sim"}
 """deploy/<name>.yaml -> the compose profile whose replicas it lists (KVROUTER_FLEET selects it)."""
@@ -57,10 +58,7 @@ def parse_command(command: list[str]) -> tuple[str, argparse.Namespace]:
     name = "serve"
     if args and args[0] in SUBCOMMANDS:
         name = args.pop(0)
-    try:
-        parser = build_parser(name)
-    except ModuleNotFoundError as error:
-        pytest.skip(f"`kvrouter {name}` is not in this tree yet ({error.name})")
+    parser = build_parser(name)
     parser.exit_on_error = False
     try:
         return name, parser.parse_args(args)
@@ -359,12 +357,9 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboard() -> None:
 
 
 def test_promtool_accepts_the_prometheus_config() -> None:
-    import shutil
     import subprocess
 
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed (Debian package `prometheus`)")
+    promtool = ci_tool("promtool", "prometheus")
     result = subprocess.run(
         [promtool, "check", "config", "--syntax-only", str(DEPLOY / "prometheus.yml")],
         capture_output=True,

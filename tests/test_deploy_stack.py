@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,8 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 TOKEN = "stack-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PROVISIONAL_TTL_S = 0.2
+"""A router's own just-routed prompts lapse this fast in the stack under test."""
 IMAGE_TOKENIZER = "/opt/kvrouter/tiny-tokenizer"
 
 
@@ -158,8 +160,6 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 def sim_stack(redis_server: RedisServer, tmp_path: Path) -> Iterator[Stack]:
     from kvrouter.tinymodel import ensure_tokenizer
 
-    if not redis_mode_follows_events():
-        pytest.skip("this build's routers do not follow KV events through Redis yet")
     compose = load_compose({"KVROUTER_FLEET": "replicas-sim", "KVROUTER_ADMIN_TOKEN": TOKEN})
     services = services_in(compose, "sim")
     fleet = yaml.safe_load((DEPLOY / "replicas-sim.yaml").read_text(encoding="utf-8"))
@@ -187,7 +187,7 @@ def sim_stack(redis_server: RedisServer, tmp_path: Path) -> Iterator[Stack]:
             env |= {"KVROUTER_REDIS_URL": redis_server.url, "KVROUTER_PORT": str(port), "KVROUTER_HOST": "127.0.0.1"}
             # Provisional entries (a router's own just-routed prompts) lapse fast, so what the routers know of
             # each other's requests can only have come through the relay and Redis.
-            env["KVROUTER_PROVISIONAL_TTL_S"] = "0.2"
+            env["KVROUTER_PROVISIONAL_TTL_S"] = str(PROVISIONAL_TTL_S)
             command = replace_value([str(item) for item in service["command"]], "--replicas", str(stack.fleet_file))
             stack.start(name, command, env)
             stack.routers.append(f"http://127.0.0.1:{port}")
@@ -222,17 +222,49 @@ async def ask(
         return response.headers["x-kvrouter-replica"], cached
 
 
-def redis_mode_follows_events() -> bool:
-    from prometheus_client import CollectorRegistry
+async def until(condition: Callable[[], Awaitable[bool]], what: str, within_s: float = 20.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not await condition():
+        assert time.monotonic() < deadline, f"{what} not seen within {within_s:.0f} s"
+        await asyncio.sleep(0.05)
 
-    from kvrouter.app import build_prefix_parts
-    from kvrouter.config import Settings, parse_fleet
-    from kvrouter.metrics import RouterMetrics
 
-    fleet = parse_fleet({"replicas": [{"name": "a", "url": "http://127.0.0.1:9"}]}, Path("replicas.yaml"))
-    settings = Settings(redis_url="redis://127.0.0.1:9/0")
-    parts = build_prefix_parts(settings, fleet, RouterMetrics(CollectorRegistry()), time.monotonic)
-    return parts.events is not None
+async def draining_everywhere(session: aiohttp.ClientSession, routers: list[str], expected: set[str]) -> None:
+    """Wait until every router lists exactly `expected` as draining (a drain travels between them through Redis)."""
+
+    async def agreed() -> bool:
+        for router in routers:
+            async with session.get(f"{router}/admin/replicas", headers=AUTH) as response:
+                views = (await response.json())["replicas"]
+            if {view["name"] for view in views if view["draining"]} != expected:
+                return False
+        return True
+
+    await until(agreed, f"draining {sorted(expected)} on every router")
+
+
+async def credited_everywhere(
+    session: aiohttp.ClientSession, routers: list[str], replica: str, question: str, model: str, system: str,
+    asked: float,
+) -> None:  # fmt: skip
+    """Wait until every router credits `replica` with cached tokens for this prompt once a router's own
+    provisional entries have lapsed (KVROUTER_PROVISIONAL_TTL_S) since `asked`: credit only KV events, engine ->
+    relay -> Redis -> router, can have given."""
+    body = {"model": model, "max_tokens": 4,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}  # fmt: skip
+
+    async def credited() -> bool:
+        if time.monotonic() - asked <= PROVISIONAL_TTL_S:
+            return False
+        for router in routers:
+            async with session.post(f"{router}/debug/route", json=body, headers=AUTH) as response:
+                assert response.status == 200, await response.text()
+                candidates = (await response.json())["candidates"]
+            if not any(c["replica"] == replica and int(c["cached_tokens"]) > 0 for c in candidates):
+                return False
+        return True
+
+    await until(credited, f"{replica}'s cached prefix on every router")
 
 
 async def drain(session: aiohttp.ClientSession, router: str, replica: str, draining: bool) -> None:
@@ -248,11 +280,13 @@ async def test_the_compose_sim_stack_routes_as_one(sim_stack: Stack) -> None:
     async with aiohttp.ClientSession() as session:
         # Put the prefix on sim-1 (the replica a tie would not pick) by draining sim-0 for one request.
         await drain(session, router_1, "sim-0", True)
-        await asyncio.sleep(1.5)  # the drain reaches router-2 through Redis too
+        await draining_everywhere(session, sim_stack.routers, {"sim-0"})  # through Redis to router-2 too
         first, _ = await ask(session, router_1, "question 0", model)
         assert first == "sim-1"
+        asked = time.monotonic()
         await drain(session, router_2, "sim-0", False)
-        await asyncio.sleep(1.5)  # undrained everywhere; events engine -> relay -> Redis -> routers; TTLs lapsed
+        await draining_everywhere(session, sim_stack.routers, set())
+        await credited_everywhere(session, sim_stack.routers, "sim-1", "question 1", model, SYSTEM, asked)
         followers = []
         for turn in range(1, 7):
             followers.append(await ask(session, (router_2, router_1)[turn % 2], f"question {turn}", model))
@@ -290,12 +324,14 @@ async def test_the_compose_sim_stack_routes_as_one(sim_stack: Stack) -> None:
         assert listed == ["sim-0", "sim-1", "sim-2"]
         # A new prefix lands on sim-2 (the only replica left undrained), then both routers find it there.
         await drain(session, router_1, "sim-0", True)
-        await asyncio.sleep(1.5)
+        await draining_everywhere(session, sim_stack.routers, {"sim-0", "sim-1"})
         other = "Tu es l'assistant d'un cabinet d'avocats a Lyon. Reponds brievement et cite les articles. " * 12
         assert (await ask(session, router_2, "premiere question", model, other))[0] == "sim-2"
+        asked = time.monotonic()
         await drain(session, router_1, "sim-0", False)
         await drain(session, router_1, "sim-1", False)
-        await asyncio.sleep(1.5)
+        await draining_everywhere(session, sim_stack.routers, set())
+        await credited_everywhere(session, sim_stack.routers, "sim-2", "question 0", model, other, asked)
         for turn in range(4):
             replica, cached = await ask(session, (router_1, router_2)[turn % 2], f"question {turn}", model, other)
             assert replica == "sim-2" and cached > 0, (turn, replica, cached)

@@ -21,9 +21,10 @@ from kvrouter.index import PrefixIndex
 from kvrouter.openai_request import parse_request
 from kvrouter.tokenization import HfPromptTokenizer
 from kvrouter.typedefs import BlockKey, ReplicaName
-from tests.vllm_captures import CAPTURES, messages, model_dir, needs_captures, requests, run_info
+from tests.shared_data import VLLM_CAPTURES, requires_shared
+from tests.vllm_captures import CAPTURES, messages, model_dir, requests, run_info
 
-pytestmark = needs_captures
+_shared_data = requires_shared(VLLM_CAPTURES)
 REPLICA = ReplicaName("engine")
 
 

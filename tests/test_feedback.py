@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvrouter.feedback import FeedbackConfig, FeedbackLookup
 from kvrouter.index import PrefixIndex
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
+from tests.shared_data import MOONCAKE_CONVERSATION, shared
 
 A, B = ReplicaName("a"), ReplicaName("b")
 KEYS = [BlockKey(100 + n) for n in range(8)]
@@ -69,11 +68,6 @@ def test_bad_config() -> None:
         FeedbackConfig(trust_alpha=0.0)
 
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-CONVERSATION = SHARED / "traces" / "mooncake" / "conversation_trace.jsonl"
-
-
-@pytest.mark.skipif(not CONVERSATION.is_file(), reason=f"shared trace not found at {CONVERSATION}")
 def test_replay_with_lost_removals_feedback_keeps_the_prediction_honest() -> None:
     from kvrouter.config import Settings
     from kvrouter.policies.kv_aware import KvAwarePolicy
@@ -83,7 +77,7 @@ def test_replay_with_lost_removals_feedback_keeps_the_prediction_honest() -> Non
     from kvrouter.replay.trace import load_trace
     from kvrouter.sim.mocker import DynamoMockerEngine
 
-    trace = load_trace(CONVERSATION, speedup=3.0, limit=1200)
+    trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=3.0, limit=1200)
     catalog = PromptCatalog(trace_block_tokens=trace.block_tokens, block_size=64)
     prompts = [catalog.prepare(request) for request in trace.requests]
 

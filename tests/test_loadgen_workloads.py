@@ -10,9 +10,7 @@ import pytest
 
 from kvrouter.loadgen.trace import BlockTokens, read_trace, trace_sessions
 from kvrouter.loadgen.workloads import WORKLOADS, WorkloadParams, build_schedule, count_requests
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-CONVERSATION = SHARED / "traces" / "mooncake" / "conversation_trace.jsonl"
+from tests.shared_data import MOONCAKE_CONVERSATION, shared
 
 CHAT_WORKLOADS = [name for name in WORKLOADS if name != "mooncake"]
 
@@ -153,9 +151,8 @@ def test_bad_trace_row_names_the_line(tmp_path: Path) -> None:
         list(read_trace(trace))
 
 
-@pytest.mark.skipif(not CONVERSATION.is_file(), reason="../shared/traces/mooncake is not beside the checkout")
 def test_real_conversation_trace_slice_reuses_prefixes() -> None:
-    params = WorkloadParams(trace=CONVERSATION, duration_s=60, trace_speedup=1.0)
+    params = WorkloadParams(trace=shared(MOONCAKE_CONVERSATION), duration_s=60, trace_speedup=1.0)
     sessions = build_schedule("mooncake", params)
     assert 30 < len(sessions) < 400
     prompts = [s.requests[0].make_body()["prompt"] for s in sessions[:40]]

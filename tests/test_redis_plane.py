@@ -214,8 +214,7 @@ async def test_redis_restarted_empty_relay_rebuilds_and_routers_follow(redis_ser
         redis_server.kill()
         for _ in range(30):  # the engine goes on while Redis is away
             feeder.payload(SYN1, engine.step())
-        await asyncio.sleep(0.3)
-        assert not routers[0].follower.connected
+        await eventually(lambda: not routers[0].follower.connected, what="the follower seeing Redis gone")
         redis_server.restart(keep_data=False)
         writer = relay.writers[SYN1]
         await eventually(lambda: writer.position is not None and writer.position.epoch > epoch)
@@ -281,9 +280,8 @@ async def test_router_starts_without_redis_serves_after_grace_and_loads_when_red
     router = Router(redis_server.url, list(relay.writers), clock=lambda: now[0])
     relay_task = asyncio.create_task(relay.run())
     async with running(router, relay_task=relay_task):
-        await asyncio.sleep(0.3)
+        await eventually(lambda: router.follower.failures >= 1, what="a failed connection to Redis")
         assert not router.follower.is_ready()
-        assert router.follower.failures >= 1
         now[0] = FAST_FOLLOWER.startup_grace_s + 1  # past the grace: route on load alone
         assert router.follower.is_ready() and not router.follower.loaded.is_set()
         redis_server.start()  # came back with nothing (no persistence); the relay rebuilds on its next check

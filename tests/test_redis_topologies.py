@@ -8,7 +8,6 @@ them through the topology's URL and end with the relay's state.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from kvrouter.relay import Relay
 from kvrouter.typedefs import ReplicaName
 from tests.redis_fixtures import RedisServer, free_port
 from tests.redis_plane_support import SyntheticEngine, index_view, synthetic_fleet
+from tests.shared_data import ci_tool
 
 pytestmark = pytest.mark.redis
 NAMES = [ReplicaName(f"r{i}") for i in range(3)]
@@ -36,9 +36,7 @@ def sentinel_url(tmp_path: Path) -> Iterator[str]:
     master.start()
     port = free_port()
     config = tmp_path / "sentinel.conf"
-    config.write_text(
-        f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\nsentinel monitor kvr 127.0.0.1 {master.port} 1\n"
-    )
+    config.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\nsentinel monitor kvr 127.0.0.1 {master.port} 1\n")
     sentinel = subprocess.Popen([master.binary, str(config), "--sentinel"], stdout=subprocess.DEVNULL)
     try:
         client = redis_sync.Redis(port=port)
@@ -58,9 +56,7 @@ def sentinel_url(tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def cluster_url(tmp_path: Path) -> Iterator[str]:
-    cli = shutil.which("redis-cli")
-    if cli is None:
-        pytest.skip("redis-cli is not installed")
+    cli = ci_tool("redis-cli", "redis-tools, a dependency of redis-server")
     nodes = [RedisServer(tmp_path / f"node{i}") for i in range(3)]
     for node in nodes:
         node.command = _cluster_command(node)  # type: ignore[method-assign]
@@ -90,9 +86,12 @@ def _cluster_command(node: RedisServer):  # type: ignore[no-untyped-def]
     def command() -> list[str]:
         return [
             *base(node),
-            "--cluster-enabled", "yes",
-            "--cluster-config-file", str(node.directory / "nodes.conf"),
-            "--cluster-port", str(bus_port),
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            str(node.directory / "nodes.conf"),
+            "--cluster-port",
+            str(bus_port),
         ]
 
     return command

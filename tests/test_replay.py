@@ -17,11 +17,7 @@ from kvrouter.replay.prompts import PromptCatalog, SizedPrompt
 from kvrouter.replay.report import summarize
 from kvrouter.replay.trace import Trace, TraceError, load_trace
 from kvrouter.sim.mocker import DynamoMockerEngine
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-CONVERSATION = SHARED / "traces" / "mooncake" / "conversation_trace.jsonl"
-GMI = SHARED / "traces" / "lmbench_gmi" / "gmi_trace.jsonl"
-needs_traces = pytest.mark.skipif(not CONVERSATION.is_file(), reason=f"shared traces not found at {SHARED}")
+from tests.shared_data import GMI_TRACE, MOONCAKE_CONVERSATION, shared
 
 
 def write_trace(path: Path, rows: list[dict[str, object]]) -> Path:
@@ -127,10 +123,9 @@ def replay_slice(trace: Trace, policy: str, *, replicas: int = 4, delay: float =
     )
 
 
-@needs_traces
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "kv_aware"])
 def test_slice_invariants(policy: str) -> None:
-    trace = load_trace(CONVERSATION, speedup=2.5, limit=400)
+    trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=2.5, limit=400)
     result = replay_slice(trace, policy)
     summary = summarize(result)
     assert [r.index for r in result.records] == [r.index for r in trace.requests]
@@ -148,17 +143,15 @@ def test_slice_invariants(policy: str) -> None:
         assert [r.replica for r in result.records[:8]] == [f"engine-{i % 4}" for i in range(8)]
 
 
-@needs_traces
 def test_same_seed_same_output() -> None:
-    trace = load_trace(CONVERSATION, speedup=3.0, limit=300)
+    trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=3.0, limit=300)
     first = summarize(replay_slice(trace, "kv_aware", delay=0.05))
     second = summarize(replay_slice(trace, "kv_aware", delay=0.05))
     assert first == second
 
 
-@needs_traces
 def test_kv_aware_follows_prefixes_on_a_slice() -> None:
-    trace = load_trace(CONVERSATION, speedup=2.5, limit=1500)
+    trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=2.5, limit=1500)
     rr = summarize(replay_slice(trace, "round_robin"))
     kv = summarize(replay_slice(trace, "kv_aware"))
     assert kv["hit_rate"] > rr["hit_rate"] + 0.03
@@ -167,9 +160,8 @@ def test_kv_aware_follows_prefixes_on_a_slice() -> None:
     assert abs(kv["predicted_hit_rate"] - kv["hit_rate"]) < 0.02
 
 
-@needs_traces
 def test_floor_is_a_lower_bound() -> None:
-    trace = load_trace(CONVERSATION, speedup=2.5, limit=300)
+    trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=2.5, limit=300)
     catalog = PromptCatalog(trace_block_tokens=trace.block_tokens, block_size=64)
     prompts = [catalog.prepare(request) for request in trace.requests]
     floors = floor_ttfts(trace.requests, prompts, DynamoMockerEngine)
@@ -179,21 +171,19 @@ def test_floor_is_a_lower_bound() -> None:
         assert floor <= record.ttft + 1e-9
 
 
-@needs_traces
 def test_gmi_trace_replays() -> None:
-    trace = load_trace(GMI, speedup=200.0, limit=300)
+    trace = load_trace(shared(GMI_TRACE), speedup=200.0, limit=300)
     summary = summarize(replay_slice(trace, "kv_aware", replicas=2))
     assert summary["completed"] == 300
     assert 0.0 < summary["hit_rate"] < 1.0
 
 
-@needs_traces
 def test_cli_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     code = main(
         [
             "replay",
-            str(CONVERSATION),
+            str(shared(MOONCAKE_CONVERSATION)),
             "--policies",
             "round_robin,kv_aware",
             "--replicas",

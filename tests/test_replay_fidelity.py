@@ -1,14 +1,16 @@
 """Fidelity against NVIDIA Dynamo 1.6.1's own offline replay (../shared/anchors/dynamo-1.6.1-replay/).
 
 The whole Mooncake conversation trace, 4 `dynamo-mocker` engines, the real round-robin policy and the real
-router objects, at x2.5 and x3.0: every summary figure within 10% of Dynamo's round-robin row, the prefix hit
-within one point, and at least 95% of requests with a TTFT within 10% of Dynamo's own value for that request.
+router objects, at x2.5 and x3.0: every summary figure within 0.5% of Dynamo's round-robin row, the prefix hit
+within 0.0001 (the anchor's rounding), and at least 99% of requests with a TTFT within 10% of Dynamo's own value for
+that request. The replay runs on a virtual clock, so these figures do not move with the machine's load: measured
+(commit ed202de) the summary figures are off by at most 0.16% (TTFT p50 at x3.0: 1458.4 ms against 1456), the hit
+by 1.6e-5, and 99.22% (x2.5) and 99.13% (x3.0) of requests are within 10%. The thresholds sit just outside that.
 """
 
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import pytest
 
@@ -19,10 +21,10 @@ from kvrouter.replay.driver import replay_policy
 from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog
 from kvrouter.replay.trace import Trace, load_trace
 from kvrouter.sim.profiles import build_engine, get_profile
+from tests.shared_data import DYNAMO_ANCHORS, MOONCAKE_CONVERSATION, requires_shared
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-TRACE = SHARED / "traces" / "mooncake" / "conversation_trace.jsonl"
-ANCHORS = SHARED / "anchors" / "dynamo-1.6.1-replay"
+TRACE = MOONCAKE_CONVERSATION
+ANCHORS = DYNAMO_ANCHORS
 
 # Dynamo's round-robin rows (anchor README): TTFT p50/p90/p99, e2e p50/p99 in ms, prefix hit.
 DYNAMO_ROUND_ROBIN = {
@@ -30,9 +32,7 @@ DYNAMO_ROUND_ROBIN = {
     3.0: ((1456, 8860, 15630), (27581, 90059), 0.0840),
 }
 
-pytestmark = pytest.mark.skipif(
-    not (TRACE.is_file() and ANCHORS.is_dir()), reason=f"shared trace or Dynamo anchors not found under {SHARED}"
-)
+_shared_data = requires_shared(TRACE, ANCHORS)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +67,9 @@ def test_round_robin_matches_dynamo(speedup: float, prepared: tuple[PromptCatalo
     (ttft_rows, e2e_rows, hit_row) = DYNAMO_ROUND_ROBIN[speedup]
     ours = [percentile(ttft, q) for q in (50, 90, 99)] + [percentile(e2e, q) for q in (50, 99)]
     for value, dynamo in zip(ours, [*ttft_rows, *e2e_rows], strict=True):
-        assert value is not None and abs(value - dynamo) <= 0.10 * dynamo, (ours, ttft_rows, e2e_rows)
+        assert value is not None and abs(value - dynamo) <= 0.005 * dynamo, (ours, ttft_rows, e2e_rows)
     hit = sum(r.cached_tokens for r in result.records) / sum(r.prompt_tokens for r in result.records)
-    assert abs(hit - hit_row) <= 0.01
+    assert abs(hit - hit_row) <= 0.0001
     close = 0
     for record in result.records:
         row = anchor[record.index]
@@ -77,4 +77,4 @@ def test_round_robin_matches_dynamo(speedup: float, prepared: tuple[PromptCatalo
         theirs = float(row["ttft_ms"])
         assert record.ttft is not None
         close += abs(record.ttft * 1000 - theirs) <= 0.10 * theirs
-    assert close / len(result.records) >= 0.95
+    assert close / len(result.records) >= 0.99, close / len(result.records)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvrouter.policies.base import CandidateScore, Decision
 from kvrouter.replication import HotPrefixReplicator, PrefixHeat, ReplicationConfig, WarmUp
 from kvrouter.typedefs import BlockKey, ReplicaName
+from tests.shared_data import MOONCAKE_CONVERSATION, shared
 
 A, B, C = ReplicaName("a"), ReplicaName("b"), ReplicaName("c")
 KEYS = [BlockKey(n) for n in range(200)]
@@ -60,11 +59,6 @@ def test_heat_ranks_prefixes_by_decayed_count() -> None:
     assert heat.hottest(B, 5, now=40.0) == []
 
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-CONVERSATION = SHARED / "traces" / "mooncake" / "conversation_trace.jsonl"
-
-
-@pytest.mark.skipif(not CONVERSATION.is_file(), reason=f"shared trace not found at {CONVERSATION}")
 def test_replay_drain_with_warm_up_and_replication() -> None:
     from kvrouter.config import Settings
     from kvrouter.policies.kv_aware import KvAwarePolicy
@@ -74,7 +68,7 @@ def test_replay_drain_with_warm_up_and_replication() -> None:
     from kvrouter.replay.trace import load_trace
     from kvrouter.sim.mocker import DynamoMockerEngine
 
-    trace = hot_spot(load_trace(CONVERSATION, speedup=3.0, limit=800), share=0.5)
+    trace = hot_spot(load_trace(shared(MOONCAKE_CONVERSATION), speedup=3.0, limit=800), share=0.5)
     catalog = PromptCatalog(trace_block_tokens=trace.block_tokens, block_size=64)
     prompts = [catalog.prepare(request) for request in trace.requests]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -26,9 +25,10 @@ from kvrouter.sim.profiles import build_engine, get_profile
 from kvrouter.sim.publisher import KvEventPublisher
 from kvrouter.sim.server import ReplicaSettings, build_replica_app
 from kvrouter.sim.textio import SimTokenizer
+from tests.shared_data import VLLM_CAPTURES, requires_shared
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-kv-events"
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real vLLM captures not found at {FIXTURES}")
+FIXTURES = VLLM_CAPTURES
+_shared_data = requires_shared(FIXTURES)
 
 Client = TestClient[web.Request, web.Application]
 MakeClient = Callable[[web.Application], Awaitable[Client]]

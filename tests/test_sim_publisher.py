@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -12,19 +11,19 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvrouter.events import wire
 from kvrouter.sim.engine import SchedulerConfig, VllmEngine
 from kvrouter.sim.hashing import prompt_hashes
 from kvrouter.sim.model import EngineRequest, KvEvent, StoredBlocks
 from kvrouter.sim.profiles import PROFILES
 from kvrouter.sim.publisher import END_SEQ, KvEventPublisher, encode_payload
+from tests.shared_data import VLLM_CAPTURES, shared
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-kv-events"
-RUNS = FIXTURES / "runs"
-needs_fixtures = pytest.mark.skipif(not RUNS.is_dir(), reason=f"real vLLM captures not found at {RUNS}")
+RUNS = VLLM_CAPTURES / "runs"
 
 
 def real_payloads(run: str) -> list[bytes]:
-    return [path.read_bytes() for path in sorted((RUNS / run / "frames").glob("msg_*_f2.bin"))]
+    return [path.read_bytes() for path in sorted(shared(RUNS / run / "frames").glob("msg_*_f2.bin"))]
 
 
 def engine_batches() -> list[list[KvEvent]]:
@@ -110,7 +109,6 @@ async def published_frames(context: zmq.asyncio.Context, batches: list[list[KvEv
         await publisher.close()
 
 
-@needs_fixtures
 async def test_sim_frames_have_real_vllm_structure_field_for_field(context: zmq.asyncio.Context) -> None:
     frames = await published_frames(context, engine_batches())
     for seq, (topic, seq_frame, _) in enumerate(frames):
@@ -128,9 +126,7 @@ async def test_sim_frames_have_real_vllm_structure_field_for_field(context: zmq.
     assert {s["extra_keys"] for s in stored} >= {shape([None]), shape([["tenant-a"], None])}
 
 
-@needs_fixtures
 async def test_the_routers_decoder_reads_sim_and_real_frames_alike(context: zmq.asyncio.Context) -> None:
-    wire = pytest.importorskip("kvrouter.events.wire")
     decoder = wire.WireDecoder()
     frames = await published_frames(context, engine_batches())
     sim = [decoder.decode_payload("sim", seq, payload) for seq, (_, _, payload) in enumerate(frames)]
@@ -174,12 +170,12 @@ async def test_replay_socket_answers_a_dealer_like_vllm(context: zmq.asyncio.Con
     _ts, events, rank = msgpack.unpackb(replies[0][3], raw=False)
     assert events[0]["block_hashes"] == [1, 2] and rank == 0
     assert first[:2] == [b"kv-events", (0).to_bytes(8, "big")] and len(first) == 3
-    if RUNS.is_dir():  # the same frame layout as the captured real replies
-        replay = RUNS / "s1_basic_bs32" / "replay"
-        real_end = [(replay / f"replay_dealer_0004_f{k}.bin").read_bytes() for k in range(4)]
-        assert replies[3] == real_end
-        real_first = [(replay / f"replay_dealer_0000_f{k}.bin").read_bytes() for k in range(3)]
-        assert [len(f) for f in replies[0][:3]] == [len(f) for f in real_first]
+    # the same frame layout as the captured real replies
+    replay = shared(RUNS / "s1_basic_bs32" / "replay")
+    real_end = [(replay / f"replay_dealer_0004_f{k}.bin").read_bytes() for k in range(4)]
+    assert replies[3] == real_end
+    real_first = [(replay / f"replay_dealer_0000_f{k}.bin").read_bytes() for k in range(3)]
+    assert [len(f) for f in replies[0][:3]] == [len(f) for f in real_first]
 
 
 def test_lora_requests_publish_the_adapter_on_every_block_like_vllm() -> None:
@@ -196,7 +192,6 @@ def test_lora_requests_publish_the_adapter_on_every_block_like_vllm() -> None:
     (event,) = msgpack.unpackb(wire_event, raw=False)[1]
     assert event["lora_name"] == "jp-legal" and event["lora_id"] == 1
     assert event["extra_keys"] == [["jp-legal", "t"], ["jp-legal"], ["jp-legal"]]
-    wire = pytest.importorskip("kvrouter.events.wire")
     batch, problems = wire.WireDecoder().decode_payload("sim", 0, wire_event)
     assert problems == [] and batch is not None
     (decoded,) = batch.events

@@ -14,7 +14,7 @@ import pytest
 from kvrouter.openai_request import ParsedRequest, RequestError, parse_request
 from kvrouter.tinymodel import ensure_tokenizer
 from kvrouter.tokenization import HfPromptTokenizer, build_prompt_tokenizer
-from tests.vllm_captures import model_dir, needs_captures
+from tests.vllm_captures import model_dir
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,6 @@ def fresh_chat_ids(tokenizer: HfPromptTokenizer, request: ParsedRequest) -> list
 # ---- what vLLM 0.32 answered on its /render endpoints for the captured model ---------------------------------
 
 
-@needs_captures
 def test_the_captured_models_chat_and_completion_ids_equal_vllms_render() -> None:
     tokenizer = HfPromptTokenizer(model_dir(), threads=1)
     messages = [{"role": "system", "content": "short system"}, {"role": "user", "content": "Hello there"}]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.shared_data import in_ci
 from tests.vllm_support.harness import (
     MAX_MODEL_LEN,
     NUM_GPU_BLOCKS,
@@ -30,8 +31,7 @@ from tests.vllm_support.server import TOOL_ARGS, VllmServer, build_tiny_model, f
 
 
 def _required() -> bool:
-    ci = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
-    return ci or bool(os.environ.get("KVROUTER_VLLM_PYTHON"))
+    return in_ci() or bool(os.environ.get("KVROUTER_VLLM_PYTHON"))
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,10 @@ from tests.vllm_support.server import SERVED_MODEL, VllmServer, free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MIN_RANK_CORRELATION = 0.85
+"""Measured on the 2-core development machine, three runs of this file while other work ran beside it: per-round
+correlations 0.959/0.985/0.941, 0.947/0.891/0.876 and 0.891/0.971/0.941, so the worst round was 0.876."""
+CACHED_PER_ROUND = 8
+"""Requests of `request_sequence` that reuse an earlier prompt's blocks (real vLLM and the simulator agree: 8 of 16)."""
 ROUND_SEEDS = (10, 11, 12)
 """The sequence runs once per seed, from empty caches each time: 48 requests per side."""
 
@@ -168,15 +172,19 @@ def test_simulator_matches_real_vllm_on_cached_tokens_and_median_ttft(
     print("real/sim\n" + table)
     assert [ru["prompt_tokens"] for _, ru, _, _, _ in rows] == [su["prompt_tokens"] for _, _, su, _, _ in rows], table
     assert [cached(ru) for _, ru, _, _, _ in rows] == [cached(su) for _, _, su, _, _ in rows], table
-    assert sum(1 for _, ru, _, _, _ in rows if cached(ru) > 0) >= 7 * len(ROUND_SEEDS), table
+    assert sum(1 for _, ru, _, _, _ in rows if cached(ru) > 0) == CACHED_PER_ROUND * len(ROUND_SEEDS), table
     real_median = statistics.median(rt for _, _, _, rt, _ in rows)
     sim_median = statistics.median(st for _, _, _, _, st in rows)
-    print(f"median TTFT real {real_median * 1000:.1f} ms, sim {sim_median * 1000:.1f} ms (uncalibrated ratio "
-          f"{sim_median / real_median:.2f}: 0.97-1.03 on the profile's calibration machine)")
+    print(
+        f"median TTFT real {real_median * 1000:.1f} ms, sim {sim_median * 1000:.1f} ms (uncalibrated ratio "
+        f"{sim_median / real_median:.2f}: 0.97-1.03 on the profile's calibration machine)"
+    )
     per_round = len(rows) // len(ROUND_SEEDS)
     rounds = [rows[at : at + per_round] for at in range(0, len(rows), per_round)]
     correlations = [rank_correlation([rt for *_, rt, _ in one], [st for *_, st in one]) for one in rounds]
     slope, intercept = statistics.linear_regression([st for *_, st in rows], [rt for *_, rt, _ in rows])
-    print(f"rank correlation per round {', '.join(f'{rho:.3f}' for rho in correlations)}; "
-          f"affine fit real = {intercept * 1000:.1f} ms + {slope:.2f} x sim")
+    print(
+        f"rank correlation per round {', '.join(f'{rho:.3f}' for rho in correlations)}; "
+        f"affine fit real = {intercept * 1000:.1f} ms + {slope:.2f} x sim"
+    )
     assert min(correlations) >= MIN_RANK_CORRELATION, f"rank correlations {correlations}\n{table}"
