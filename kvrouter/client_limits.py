@@ -10,10 +10,12 @@ others or blows its memory.
 * Bodies (`ClientEdge.middleware`, the outermost middleware): every request body is read here, before any handler
   runs — so a slow body never holds one of the proxy's concurrency slots — under a deadline that grows with what
   arrived: `client_body_timeout_s + received / client_body_min_bytes_per_s`; past it the client gets 408 and the
-  connection is closed. A body larger than `max_body_bytes` is a 413, after inflation too: aiohttp's parser inflates
-  gzip/deflate/br/zstd in 64 KiB steps as the body is read, and reading stops at the cap, so a bomb costs at most
-  the cap. All bodies being read at once may buffer `client_body_buffer_bytes` together (429 beyond). An inflated
-  body reaches the handler without its Content-Encoding header: what is forwarded is the inflated bytes.
+  connection is closed. A body larger than `max_body_bytes` is a 413, after inflation too: gzip and deflate bodies
+  are inflated here (kvrouter/body_encoding.py), 256 KiB of output at a time with the event loop given back in
+  between, and reading stops at the cap, so a bomb costs at most the cap and never stalls other requests; other
+  encodings are a 415. All bodies being read at once may buffer `client_body_buffer_bytes` together (429 beyond).
+  An inflated body reaches the handler without its Content-Encoding header: what is forwarded is the inflated
+  bytes.
 * Prompts are capped by the tokenizer (kvrouter/tokenization.py: max_prompt_chars, max_prompt_tokens).
 
 Every refusal is counted in kvrouter_client_rejections_total{reason}; open connections in kvrouter_client_connections.
@@ -36,6 +38,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
+from kvrouter.body_encoding import SUPPORTED, BadEncoding, Inflater
 from kvrouter.config import Settings
 from kvrouter.metrics import RouterMetrics
 from kvrouter.streaming import REQUEST_ID_HEADER
@@ -159,7 +162,13 @@ class ClientEdge:
 
     def handler_args(self) -> dict[str, Any]:
         """aiohttp's per-connection settings: the idle timer and header size bounds."""
-        return {"keepalive_timeout": self.limits.idle_timeout_s, "max_field_size": 65536}
+        # auto_decompress off: aiohttp would inflate inside its read callback, in one call per read (see
+        # kvrouter/body_encoding.py); the middleware inflates in slices instead.
+        return {
+            "keepalive_timeout": self.limits.idle_timeout_s,
+            "max_field_size": 65536,
+            "auto_decompress": False,
+        }
 
     def refuse(self, reason: str) -> None:
         self._rejections[reason].inc()
@@ -209,7 +218,8 @@ class ClientEdge:
             connection.request_started()
         try:
             if request.body_exists:
-                compressed = "content-encoding" in request.headers
+                encoding = request.headers.get("content-encoding")
+                compressed = encoding is not None
                 if compressed:
                     # The inflated bytes go on: the label must not (the replica would inflate them again).
                     headers = request.headers.copy()
@@ -221,7 +231,7 @@ class ClientEdge:
                         unreadable = _error(400, "compressed requests need UTF-8 header values", "invalid_header")
                         await self._answer_and_close(request, unreadable)
                         return unreadable
-                refused = await self._read_body(request, compressed=compressed)
+                refused = await self._read_body(request, encoding=encoding)
                 if refused is not None:
                     refused.headers[REQUEST_ID_HEADER] = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
                     if compressed:
@@ -242,18 +252,27 @@ class ClientEdge:
         await refused.write_eof()
         request.protocol.force_close()  # flushes the answer, then closes; no lingering read of the rest
 
-    async def _read_body(self, request: web.Request, *, compressed: bool) -> web.Response | None:
+    async def _read_body(self, request: web.Request, *, encoding: str | None) -> web.Response | None:
         """Read the whole body into the request (its `read()` returns it), or the answer that refuses it."""
         limits = self.limits
         declared = request.content_length
-        if declared is not None and declared > limits.max_body_bytes and not compressed:
+        if declared is not None and declared > limits.max_body_bytes and encoding is None:
             return self._too_large()
+        inflater: Inflater | None = None
+        if encoding is not None:
+            try:
+                inflater = Inflater(encoding)
+            except ValueError:
+                self.refuse("malformed_request")
+                supported = ", ".join(SUPPORTED)
+                return _error(415, f"unsupported Content-Encoding (supported: {supported})", "unsupported_encoding")
         payload = request.content
         started = self.clock()
         body = bytearray()
+        received = 0
         try:
             while True:
-                remaining = started + limits.body_deadline(len(body)) - self.clock()
+                remaining = started + limits.body_deadline(received) - self.clock()
                 try:
                     if remaining <= 0:
                         raise TimeoutError
@@ -268,19 +287,46 @@ class ClientEdge:
                     return _error(400, f"the request body cannot be read: {reason}", "invalid_body")
                 if not chunk:
                     break
-                if len(body) + len(chunk) > limits.max_body_bytes:
-                    return self._too_large()
-                if self.buffered + len(chunk) > limits.body_buffer_bytes:
-                    self.refuse("body_buffer_full")
-                    self.log.warn("body_buffer_full", "request refused: client bodies being read fill the buffer")
-                    return _error(429, "router is reading too many request bodies; retry later", "overloaded")
-                body += chunk
-                self.buffered += len(chunk)
+                received += len(chunk)
+                if inflater is None:
+                    refused = self._take(body, chunk)
+                    if refused is not None:
+                        return refused
+                    continue
+                try:
+                    for piece in inflater.feed(chunk):
+                        refused = self._take(body, piece)
+                        if refused is not None:
+                            return refused
+                        await asyncio.sleep(0)  # a slice at a time: other requests run between slices
+                except BadEncoding as error:
+                    return self._bad_encoding(error)
+            if inflater is not None:
+                try:
+                    inflater.close()
+                except BadEncoding as error:
+                    return self._bad_encoding(error)
         finally:
             self.buffered -= len(body)
         # aiohttp's own cache of the body: the handler's `await request.read()` returns it without reading again.
         request._read_bytes = bytes(body)
         return None
+
+    def _take(self, body: bytearray, data: bytes) -> web.Response | None:
+        """Append `data` to `body` within the body cap and the shared buffer budget, or the answer refusing it."""
+        if len(body) + len(data) > self.limits.max_body_bytes:
+            return self._too_large()
+        if self.buffered + len(data) > self.limits.body_buffer_bytes:
+            self.refuse("body_buffer_full")
+            self.log.warn("body_buffer_full", "request refused: client bodies being read fill the buffer")
+            return _error(429, "router is reading too many request bodies; retry later", "overloaded")
+        body += data
+        self.buffered += len(data)
+        return None
+
+    def _bad_encoding(self, error: BadEncoding) -> web.Response:
+        self.refuse("malformed_request")
+        return _error(400, f"the request body cannot be read: {error}", "invalid_body")
 
     def _too_large(self) -> web.Response:
         self.refuse("body_too_large")

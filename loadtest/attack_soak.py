@@ -33,6 +33,7 @@ import contextlib
 import gzip
 import io
 import json
+import multiprocessing
 import random
 import socket
 import sys
@@ -40,7 +41,9 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -385,33 +388,66 @@ async def sample_rss(pid: int, until: float, peak: list[float]) -> None:
         await asyncio.sleep(0.5)
 
 
+async def attacks(port: int, args: argparse.Namespace, hostile_endpoint: str) -> Attack:
+    """Every attack of the phase, until its end; runs in a process of its own (`attack_process`)."""
+    poison = poison_requests()  # built before the clock starts (the gzip bomb takes ~1 s)
+    if args.poison_kinds:
+        poison = [(kind, raw) for kind, raw in poison if kind in args.poison_kinds.split(",")]
+    until = asyncio.get_running_loop().time() + args.duration
+    attack = Attack()
+    kinds = set(args.attacks.split(","))
+    work = []
+    if "slow" in kinds:
+        modes = ("headers", "body", "idle")
+        work += [slow_client(port, mode, until, attack) for mode in modes for _ in range(args.slow)]
+    if "poison" in kinds:
+        work.append(poison_loop(port, until, args.poison_every, attack, poison))
+    if "events" in kinds:
+        work.append(hostile_publisher(hostile_endpoint, until, args.event_rate, args.seed, attack))
+    await asyncio.gather(*work)
+    return attack
+
+
+def attack_process(port: int, args: argparse.Namespace, hostile_endpoint: str, out: Connection) -> None:
+    out.send(asyncio.run(attacks(port, args, hostile_endpoint)))
+    out.close()
+
+
 async def run_phase(
     port: int, pid: int, args: argparse.Namespace, *, attacked: bool, hostile_endpoint: str
 ) -> tuple[Honest, Attack, float]:
-    poison = poison_requests() if attacked else []  # built before the clock starts (the gzip bomb takes ~1 s)
-    loop = asyncio.get_running_loop()
-    until = loop.time() + args.duration
+    """One phase: the honest load here, the attacks (if any) in a second process, so that the honest clients'
+    timings are the router's and not those of an event loop busy sending attacks."""
     attack = Attack()
+    attacker = None
+    if attacked:
+        receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
+        attacker = multiprocessing.get_context("spawn").Process(
+            target=attack_process, args=(port, args, hostile_endpoint, send), daemon=True
+        )
+        attacker.start()
+        await asyncio.sleep(2.0)  # the attacker builds its poison (the gzip bomb) and its sockets first
+    until = asyncio.get_running_loop().time() + args.duration
     rss: list[float] = []
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    work = [sample_rss(pid, until + 5, rss)]
-    if attacked:
-        modes = ("headers", "body", "idle")
-        work += [slow_client(port, mode, until, attack) for mode in modes for _ in range(args.slow)]
-        work.append(poison_loop(port, until, args.poison_every, attack, poison))
-        work.append(hostile_publisher(hostile_endpoint, until, args.event_rate, args.seed, attack))
-    honest_task = asyncio.create_task(
-        honest_load(
-            url,
-            duration_s=args.duration,
-            rate=args.rate,
-            seed=args.seed + (1 if attacked else 0),
-            words=args.system_words,
-        )
+    sampler = asyncio.create_task(sample_rss(pid, until + 5, rss))
+    honest = await honest_load(
+        url, duration_s=args.duration, rate=args.rate, seed=args.seed + (1 if attacked else 0), words=args.system_words
     )
-    await asyncio.gather(*work)
-    honest = await honest_task
+    if attacker is not None:
+        if await asyncio.to_thread(receive.poll, 120):
+            attack = receive.recv()
+        attacker.join(timeout=10)
+        if attacker.is_alive():
+            attacker.kill()
+    await sampler
     return honest, attack, max(rss, default=0.0)
+
+
+def attack_kinds(phases: dict[str, Any]) -> set[str]:
+    """Poison kinds the router answered (status 0: closed without an answer; -1: held past the client's patience)."""
+    poison = phases["under_attack"]["attack"]["poison"]
+    return {kind.rsplit(" ", 1)[0] for kind in poison if not kind.endswith((" 0", " -1"))}
 
 
 def fleet_with_hostile(replicas_file: Path, hostile_endpoint: str) -> None:
@@ -434,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow", type=int, default=100, help="slow connections per kind (default 100)")
     parser.add_argument("--poison-every", type=float, default=0.1, help="seconds between poison requests")
     parser.add_argument("--event-rate", type=float, default=300.0, help="hostile event messages per second")
+    parser.add_argument("--attacks", default="slow,poison,events", help="which attacks run (default all three)")
+    parser.add_argument("--poison-kinds", default="", help="only these poison kinds (default: all eight)")
     parser.add_argument("--max-concurrency", type=int, default=64, help="the router's max_concurrency (default 64)")
     parser.add_argument("--max-ttft-ratio", type=float, default=2.0, help="attack / attack-free TTFT p99 allowed")
     parser.add_argument("--max-rss-mb", type=float, default=1024.0, help="router RSS peak allowed (MB)")
@@ -455,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             extra = ["--max-concurrency", str(args.max_concurrency)]
             router = start_kvrouter(replicas_file, port, "kv_aware", work / "router.log", extra=extra)
             pid = router.process.pid
-            phases = {}
+            phases: dict[str, Any] = {}
             for name, attacked in (("attack_free", False), ("under_attack", True)):
                 honest, attack, rss_peak = asyncio.run(
                     run_phase(port, pid, args, attacked=attacked, hostile_endpoint=hostile_endpoint)
@@ -487,6 +525,15 @@ def main(argv: list[str] | None = None) -> int:
         "honest_success_under_attack_ge_99pct": isinstance(hit["success"], float) and hit["success"] >= 0.99,
         "ttft_p99_ratio_within_limit": ratio is not None and ratio <= args.max_ttft_ratio,
         "no_poison_5xx": not phases["under_attack"]["attack"]["poison_5xx"],
+        "every_attack_ran": all(
+            (
+                kind != "poison"
+                or len(attack_kinds(phases)) == len(args.poison_kinds.split(",") if args.poison_kinds else range(8))
+            )
+            and (kind != "events" or phases["under_attack"]["attack"]["event_messages"] > 0)
+            and (kind != "slow" or phases["under_attack"]["attack"]["slow_connections"] > 0)
+            for kind in args.attacks.split(",")
+        ),
         "router_alive": router_alive,
         "serves_after": after.ok == after.sent > 0,
         "rss_bounded": max(p["rss_peak_mb"] for p in phases.values()) <= args.max_rss_mb,
