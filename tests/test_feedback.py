@@ -98,3 +98,17 @@ def test_replay_with_lost_removals_feedback_keeps_the_prediction_honest() -> Non
     plain, corrected = run(False), run(True)
     assert plain["gap"] > 0.005  # engine-0's index keeps evicted blocks: the router over-predicts
     assert abs(corrected["gap"]) < plain["gap"] * 0.8
+
+
+def test_suspects_are_bounded_per_replica() -> None:
+    """A suspect no lookup meets again would stay forever: past max_suspects the expired, then the oldest, go."""
+
+    lookup = FeedbackLookup(PrefixIndex(), FeedbackConfig(max_suspects=100, suspect_ttl_s=10.0))
+    replica = ReplicaName("r")
+    for n in range(1000):
+        keys = [BlockKey(10_000 + 2 * n), BlockKey(10_001 + 2 * n)]
+        lookup.observe(replica, keys, predicted_tokens=32, actual_tokens=0, block_size=16, now=float(n) / 100)
+    assert lookup.suspects(replica) == 100
+    assert lookup.repairs == 1000
+    # The newest are kept: the last misprediction's first block is still suspect.
+    assert BlockKey(10_000 + 2 * 999) in lookup._suspects[replica]

@@ -69,3 +69,14 @@ def test_routing_touches_the_chosen_replica() -> None:
 def test_bad_config() -> None:
     with pytest.raises(ValueError):
         SurvivalConfig(margin=0.0)
+
+
+def test_touch_times_are_bounded_per_replica() -> None:
+    """Provisional marks the engine never stores are never removed by events: the overlay forgets the oldest."""
+
+    lookup = SurvivalLookup(PrefixIndex(), None, SurvivalConfig(max_tracked=800))
+    replica = ReplicaName("r")
+    for n in range(100):
+        lookup.add_provisional(replica, [BlockKey(50 * n + k) for k in range(50)], float(n))
+    assert len(lookup._touched[replica]) <= 800
+    assert BlockKey(50 * 99 + 49) in lookup._touched[replica]  # the newest touches stay
