@@ -213,6 +213,24 @@ def _shared_prefix(a: str, b: str) -> int:
     return low
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def check_tokenizer_dir(path: str | Path) -> None:
+    """What transformers would report as a bad Hugging Face repo id, said in terms of replicas.yaml: the router
+    only ever reads a local directory, so name the directory and the file that is missing."""
+    directory = Path(path)
+    if not directory.exists():
+        raise ValueError(f"directory {directory} does not exist (replicas.yaml 'tokenizer' names a local directory)")
+    if not directory.is_dir():
+        raise ValueError(f"{directory} is not a directory (replicas.yaml 'tokenizer' names a local directory)")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{directory} holds neither {' nor '.join(TOKENIZER_FILES)}: point replicas.yaml 'tokenizer' at the "
+            "model's tokenizer files (the directory vLLM loads the model or its tokenizer from)"
+        )
+
+
 class HfPromptTokenizer:
     """`routing.PromptTokenizer` over a local Hugging Face tokenizer directory (never downloads)."""
 
@@ -226,6 +244,7 @@ class HfPromptTokenizer:
         cache_bytes: int = 256 * 1024 * 1024,
         on_refused: Callable[[str], None] | None = None,
     ) -> None:
+        check_tokenizer_dir(path)
         from transformers import AutoTokenizer
 
         try:

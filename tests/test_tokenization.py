@@ -212,5 +212,14 @@ async def test_tokenization_runs_on_the_worker_threads(tiny: HfPromptTokenizer) 
 
 def test_no_tokenizer_configured_means_none_and_a_bad_path_is_an_error(tmp_path: Path) -> None:
     assert build_prompt_tokenizer(None, threads=1) is None
-    with pytest.raises(ValueError, match="cannot load the tokenizer"):
+    with pytest.raises(ValueError, match=r"directory .*missing does not exist \(replicas.yaml 'tokenizer'"):
         build_prompt_tokenizer(tmp_path / "missing", threads=1)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        build_prompt_tokenizer(tmp_path / "file", threads=1)
+    with pytest.raises(ValueError, match="holds neither tokenizer.json nor tokenizer_config.json"):
+        build_prompt_tokenizer(tmp_path, threads=1)
+    # A directory with the files but broken content still gets transformers' own reason.
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot load the tokenizer"):
+        build_prompt_tokenizer(tmp_path, threads=1)
