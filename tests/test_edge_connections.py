@@ -159,7 +159,8 @@ async def test_a_gzip_bomb_is_a_413_without_inflating_past_the_cap(fake_replicas
                 session.post(f"{router.url}/v1/completions", data=COMPLETION, headers=headers) as response,
             ):
                 assert response.status == status, encoding
-                assert (await response.json())["error"]["code"] == ("invalid_body" if status == 400 else "unsupported_encoding")
+                code = "invalid_body" if status == 400 else "unsupported_encoding"
+                assert (await response.json())["error"]["code"] == code
 
 
 async def test_bodies_being_read_share_one_buffer_budget(fake_replicas: ReplicaFactory) -> None:

@@ -217,7 +217,7 @@ def test_no_tokenizer_configured_means_none_and_a_bad_path_is_an_error(tmp_path:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is not a directory"):
         build_prompt_tokenizer(tmp_path / "file", threads=1)
-    with pytest.raises(ValueError, match="holds neither tokenizer.json nor tokenizer_config.json"):
+    with pytest.raises(ValueError, match=r"holds neither tokenizer\.json nor tokenizer_config\.json"):
         build_prompt_tokenizer(tmp_path, threads=1)
     # A directory with the files but broken content still gets transformers' own reason.
     (tmp_path / "tokenizer.json").write_text("{not json")
