@@ -215,7 +215,7 @@ def render_configuration() -> str:
     out += [
         "",
         "A list setting (`api_keys`) is given in the environment as a JSON array, e.g. "
-        "`KVROUTER_API_KEYS='[\"key-1\", \"key-2\"]'`.",
+        '`KVROUTER_API_KEYS=\'["key-1", "key-2"]\'`.',
     ]
     for nested in _nested_models(Settings):
         field_name = next(

@@ -88,8 +88,10 @@ def plan_reload(current: FleetConfig, new: FleetConfig) -> ReloadPlan:
             unchanged.append(replica.replica)
         elif before.model_copy(update={"weight": replica.weight}) == replica:
             reweighted.append(replica)
-        elif current.block_size_of(before) != new.block_size_of(replica) or before.url != replica.url or (
-            before.kv_events != replica.kv_events
+        elif (
+            current.block_size_of(before) != new.block_size_of(replica)
+            or before.url != replica.url
+            or (before.kv_events != replica.kv_events)
         ):
             replaced.append(replica)
         else:
@@ -124,15 +126,21 @@ class FleetHooks(Protocol):
 class AdminMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.reloads = Counter(
-            "kvrouter_fleet_reloads", "replicas.yaml reloads, by result (applied, unchanged, invalid, refused).",
-            ["result"], registry=registry,
+            "kvrouter_fleet_reloads",
+            "replicas.yaml reloads, by result (applied, unchanged, invalid, refused).",
+            ["result"],
+            registry=registry,
         )
         self.draining = Gauge(
-            "kvrouter_replica_draining", "1 while an operator has drained the replica on this router.",
-            ["replica"], registry=registry,
+            "kvrouter_replica_draining",
+            "1 while an operator has drained the replica on this router.",
+            ["replica"],
+            registry=registry,
         )
         self.fleet_replicas = Gauge(
-            "kvrouter_fleet_replicas", "Replicas in the loaded replicas.yaml.", registry=registry,
+            "kvrouter_fleet_replicas",
+            "Replicas in the loaded replicas.yaml.",
+            registry=registry,
         )
 
 

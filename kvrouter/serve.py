@@ -141,9 +141,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def run(args: argparse.Namespace) -> int:
     try:
         settings, fleet = load_configuration(args)
-        logging.basicConfig(
-            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         # Built before the loop starts so a policy or tokenizer problem is a configuration error (exit 2).
         app = create_app(settings, fleet)
         if settings.workers > 1:

@@ -148,9 +148,14 @@ def event_payloads(count: int, blocks_per_event: int, rng: random.Random) -> lis
         hashes = list(range(next_hash, next_hash + blocks_per_event))
         next_hash += blocks_per_event
         event: dict[str, Any] = {
-            "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
             "token_ids": [rng.randrange(150_000) for _ in range(blocks_per_event * BLOCK)],
-            "block_size": BLOCK, "medium": "GPU", "extra_keys": [None] * blocks_per_event, "group_idx": 0,
+            "block_size": BLOCK,
+            "medium": "GPU",
+            "extra_keys": [None] * blocks_per_event,
+            "group_idx": 0,
             "kv_cache_spec_kind": "full_attention",
         }
         if parent is None:

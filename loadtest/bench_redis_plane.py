@@ -61,8 +61,21 @@ def redis_server() -> Iterator[str]:
         port = probe.getsockname()[1]
     with tempfile.TemporaryDirectory() as directory:
         process = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
-             "--appendonly", "no", "--loglevel", "warning"],
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                directory,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
             stdout=subprocess.DEVNULL,
         )
         url = f"redis://127.0.0.1:{port}/0"
@@ -197,7 +210,11 @@ async def ready_time(url: str, size: int, tail_ratio: float, repeat: int) -> dic
     keys = replica_keys(R)
     redis = connect_redis(url, socket_timeout_s=60)
     writer = ReplicaWriter(
-        redis, keys, state, hash_seed=0, clock_ms=lambda: time.time_ns() // 10**6,
+        redis,
+        keys,
+        state,
+        hash_seed=0,
+        clock_ms=lambda: time.time_ns() // 10**6,
         knobs=WriterKnobs(snapshot_ratio=100.0, entry_max_blocks=4096),
     )
     await writer.flush({0: 0})
@@ -217,7 +234,11 @@ async def ready_time(url: str, size: int, tail_ratio: float, repeat: int) -> dic
     for _ in range(repeat):
         index = PrefixIndex()
         follower = RedisFollower(
-            lambda: connect_redis(url, socket_timeout_s=60), [R], index, hash_seed=0, clock=time.monotonic,
+            lambda: connect_redis(url, socket_timeout_s=60),
+            [R],
+            index,
+            hash_seed=0,
+            clock=time.monotonic,
             knobs=FollowerKnobs(block_ms=1000),
         )
         started = time.perf_counter()
@@ -268,10 +289,16 @@ def make_payloads(count: int, seed: int) -> tuple[list[bytes], int]:
     for step in range(count):
         hashes = [rng.getrandbits(64) for _ in range(4)]
         parent = rng.choice(cached[-64:]) if cached and rng.random() < 0.7 else None
-        events: list[dict[str, object]] = [{
-            "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-            "token_ids": [rng.randrange(30000) for _ in range(64)], "block_size": 16, "medium": "GPU",
-        }]
+        events: list[dict[str, object]] = [
+            {
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "parent_block_hash": parent,
+                "token_ids": [rng.randrange(30000) for _ in range(64)],
+                "block_size": 16,
+                "medium": "GPU",
+            }
+        ]
         cached.extend(hashes)
         blocks += 4
         if len(cached) > 20_000:
@@ -329,12 +356,28 @@ async def relay_rate(url: str, payloads: list[bytes], workdir: Path) -> tuple[fl
     pub.setsockopt(zmq.SNDHWM, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     replicas_yaml = workdir / "replicas.yaml"
-    replicas_yaml.write_text(yaml.safe_dump({"block_size": 16, "replicas": [
-        {"name": R, "url": "http://127.0.0.1:9", "kv_events": {"endpoint": f"tcp://127.0.0.1:{port}"}}
-    ]}))
+    replicas_yaml.write_text(
+        yaml.safe_dump(
+            {
+                "block_size": 16,
+                "replicas": [
+                    {"name": R, "url": "http://127.0.0.1:9", "kv_events": {"endpoint": f"tcp://127.0.0.1:{port}"}}
+                ],
+            }
+        )
+    )
     relay = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvrouter.cli", "relay", "--replicas", str(replicas_yaml), "--redis-url", url,
-        "--log-level", "warning", cwd=REPO,
+        sys.executable,
+        "-m",
+        "kvrouter.cli",
+        "relay",
+        "--replicas",
+        str(replicas_yaml),
+        "--redis-url",
+        url,
+        "--log-level",
+        "warning",
+        cwd=REPO,
     )
     index = PrefixIndex()
     follower = RedisFollower(

@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvrouter-flood-") as tmp:
         work = Path(tmp)
         sim = start_sim(
-            replicas=args.replicas, profile="cpu-tiny", replicas_file=work / "sim.yaml", log=work / "sim.log",
+            replicas=args.replicas,
+            profile="cpu-tiny",
+            replicas_file=work / "sim.yaml",
+            log=work / "sim.log",
             extra=["--block-size", str(BLOCK)],
         )
         router = None

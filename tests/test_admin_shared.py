@@ -36,7 +36,9 @@ def write_fleet(path: Path, replicas: list[FakeReplica]) -> None:
 
 @pytest.fixture
 def two_routers(
-    aiohttp_client: Any, tmp_path: Path, redis_server: RedisServer  # noqa: F811
+    aiohttp_client: Any,
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
 ) -> Callable[[list[FakeReplica]], Awaitable[Pair]]:
     async def make(replicas: list[FakeReplica]) -> Pair:
         clients = []

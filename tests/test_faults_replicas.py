@@ -160,7 +160,7 @@ GARBAGE = b"\x00\x17\x03garbage that is not HTTP\r\n\r\n"
 HTML = b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 24\r\n\r\n<html>maintenance</html>"
 BROKEN_CHUNKS = [
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-    b"10\r\ndata: {\"x\": 1}\n\n\r\n",
+    b'10\r\ndata: {"x": 1}\n\n\r\n',
     b"zz-not-a-chunk-size\r\n",
 ]
 

@@ -54,9 +54,11 @@ class Stack:
     async def start(self) -> None:
         await self.replica.start()
         fleet = parse_fleet(
-            {"tokenizer": str(ensure_tokenizer()), "block_size": 16, "replicas": [
-                {"name": "r0", "url": self.replica.url}
-            ]},
+            {
+                "tokenizer": str(ensure_tokenizer()),
+                "block_size": 16,
+                "replicas": [{"name": "r0", "url": self.replica.url}],
+            },
             Path("replicas.yaml"),
         )
         settings_ = router_settings(policy="kv_aware", max_body_bytes=MAX_BODY, read_timeout_s=5.0)

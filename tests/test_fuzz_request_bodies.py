@@ -23,9 +23,7 @@ json_values = st.recursive(
 field_values: dict[str, Any] = {
     "messages": st.one_of(
         json_values,
-        st.lists(
-            st.fixed_dictionaries({"role": json_values, "content": json_values}) | json_values, max_size=4
-        ),
+        st.lists(st.fixed_dictionaries({"role": json_values, "content": json_values}) | json_values, max_size=4),
     ),
     "prompt": st.one_of(
         json_values, st.lists(st.integers(min_value=-5, max_value=2**40), max_size=8), st.lists(st.text(), max_size=3)

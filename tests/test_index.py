@@ -17,12 +17,12 @@ from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 A, B = ReplicaName("a"), ReplicaName("b")
 BS = 4
 
+
 @pytest.fixture(params=[native_backend, pure_backend], ids=["native", "pure"])
 def backend(request: pytest.FixtureRequest) -> Backend:
     """Every index example runs on the compiled tables and on their pure-Python twin."""
     factory: Callable[[], Backend] = request.param
     return factory()
-
 
 
 def keys(n: int, start: int = 0) -> list[BlockKey]:
@@ -37,7 +37,10 @@ def stored(first_hash: int, tokens: list[int], parent: int | None = None, **extr
     blocks = len(tokens) // BS
     return BlockStored(
         [EngineBlockHash(first_hash + i) for i in range(blocks)],
-        None if parent is None else EngineBlockHash(parent), tokens, BS, **extra,  # type: ignore[arg-type]
+        None if parent is None else EngineBlockHash(parent),
+        tokens,
+        BS,
+        **extra,  # type: ignore[arg-type]
     )
 
 

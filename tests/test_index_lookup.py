@@ -21,7 +21,6 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     return factory()
 
 
-
 def reference(held: dict[ReplicaName, set[BlockKey]], prompt: list[BlockKey]) -> dict[ReplicaName, int]:
     result = {}
     for replica, keys in held.items():

@@ -47,9 +47,16 @@ async def publisher() -> AsyncIterator[tuple[zmq.asyncio.Socket, str]]:
 
 
 def stored(hashes: list[int], token_ids: list[int]) -> bytes:
-    event = {"type": "BlockStored", "block_hashes": hashes, "token_ids": token_ids, "block_size": BLOCK,
-             "medium": "GPU", "extra_keys": [None] * len(hashes), "group_idx": 0,
-             "kv_cache_spec_kind": "full_attention"}
+    event = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "token_ids": token_ids,
+        "block_size": BLOCK,
+        "medium": "GPU",
+        "extra_keys": [None] * len(hashes),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
     return msgspec.msgpack.encode([time.time(), [event], 0])
 
 
@@ -73,7 +80,9 @@ async def eventually(client: Any, expected: dict[str, int]) -> None:
 
 
 async def test_events_from_a_pub_socket_show_up_as_cached_tokens_on_the_right_replica(
-    aiohttp_client: Any, fake_replicas: ReplicaFactory, tokenizer_dir: Path,
+    aiohttp_client: Any,
+    fake_replicas: ReplicaFactory,
+    tokenizer_dir: Path,
     publisher: tuple[zmq.asyncio.Socket, str],
 ) -> None:
     pub, endpoint = publisher
@@ -84,8 +93,11 @@ async def test_events_from_a_pub_socket_show_up_as_cached_tokens_on_the_right_re
             "block_size": BLOCK,
             "replicas": [
                 {"name": replicas[0].name, "url": replicas[0].url},
-                {"name": replicas[1].name, "url": replicas[1].url,
-                 "kv_events": {"endpoint": endpoint, "topic": "kv-events"}},
+                {
+                    "name": replicas[1].name,
+                    "url": replicas[1].url,
+                    "kv_events": {"endpoint": endpoint, "topic": "kv-events"},
+                },
             ],
         },
         Path("replicas.yaml"),

@@ -61,12 +61,22 @@ class RelayProcess:
     def __init__(self, replicas_yaml: Path, redis_url: str, log_path: Path) -> None:
         self.metrics_port = free_port()
         self.command = [
-            sys.executable, "-m", "kvrouter.cli", "relay",
-            "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
-            "--replicas", str(replicas_yaml),
-            "--redis-url", redis_url,
-            "--flush-interval", "0.002",
-            "--verify-interval", "0.2",
+            sys.executable,
+            "-m",
+            "kvrouter.cli",
+            "relay",
+            "--metrics-port",
+            str(self.metrics_port),
+            "--metrics-host",
+            "127.0.0.1",
+            "--replicas",
+            str(replicas_yaml),
+            "--redis-url",
+            redis_url,
+            "--flush-interval",
+            "0.002",
+            "--verify-interval",
+            "0.2",
         ]
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None

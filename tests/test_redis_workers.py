@@ -86,8 +86,21 @@ async def test_two_workers_share_the_port_each_follow_redis_and_one_is_restarted
     replicas_yaml.write_text(yaml.safe_dump(fleet.model_dump(mode="json")))
     port = free_port()
     command = [
-        sys.executable, "-m", "kvrouter.cli", "--replicas", str(replicas_yaml), "--host", "127.0.0.1",
-        "--port", str(port), "--workers", "2", "--redis-url", redis_server.url, "--health-interval", "60",
+        sys.executable,
+        "-m",
+        "kvrouter.cli",
+        "--replicas",
+        str(replicas_yaml),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "2",
+        "--redis-url",
+        redis_server.url,
+        "--health-interval",
+        "60",
     ]
     log = (tmp_path / "router.log").open("wb")
     parent = await asyncio.create_subprocess_exec(*command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

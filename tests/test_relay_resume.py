@@ -138,7 +138,10 @@ class RelayRun:
     def __init__(self, redis_url: str, fleet: FleetConfig, context: zmq.asyncio.Context) -> None:
         self.redis = connect_redis(redis_url, socket_timeout_s=5.0)
         self.relay = Relay(
-            self.redis, fleet, [SYN], clock_ms=lambda: time.time_ns() // 1_000_000,
+            self.redis,
+            fleet,
+            [SYN],
+            clock_ms=lambda: time.time_ns() // 1_000_000,
             knobs=RelayKnobs(flush_interval_s=0.002, verify_interval_s=0.2),
         )
         self.task = asyncio.create_task(serve_relay(self.relay, fleet, context=context))

@@ -208,9 +208,7 @@ class WireDecoder:
         self._array_event = msgspec.msgpack.Decoder(_ArrayEvent)
         self._peek = msgspec.msgpack.Decoder(Any)
 
-    def decode_payload(
-        self, replica: str, seq: int, payload: bytes
-    ) -> tuple[EventBatch | None, list[DecodeProblem]]:
+    def decode_payload(self, replica: str, seq: int, payload: bytes) -> tuple[EventBatch | None, list[DecodeProblem]]:
         """The batch (None when the payload itself is unreadable) and the problems met on the way."""
         try:
             whole = self._map_payload.decode(payload)
