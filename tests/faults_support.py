@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from kvrouter.loadgen.fleet import free_port_range
+from kvrouter.ports import fixed_port_window
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +44,8 @@ asyncio.run(main())
 def _free_ports(count: int) -> int:
     """A base port with `count` free ports after it; a random start, so processes made one after another (before
     any of them binds) get different ports."""
-    return free_port_range(count, start=random.randrange(20000, 50000))
+    low, high = fixed_port_window()
+    return free_port_range(count, start=random.randrange(low, high - 4 * count), end=high)
 
 
 def _wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:

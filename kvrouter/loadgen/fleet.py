@@ -36,6 +36,8 @@ from types import FrameType
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrouter.ports import fixed_port_window
+
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 
 # Replica gauges sampled over time, and counters read at the end of a run (vLLM's names).
@@ -184,8 +186,12 @@ def kvrouter_argv(*args: str) -> list[str]:
     return python_argv("-m", "kvrouter.cli", *args)
 
 
-def free_port_range(count: int, start: int = 20000, end: int = 60000) -> int:
-    """A base port such that base .. base+count-1 are all free on 127.0.0.1 right now."""
+def free_port_range(count: int, start: int | None = None, end: int | None = None) -> int:
+    """A base port such that base .. base+count-1 are all free on 127.0.0.1 right now (by default in
+    `fixed_port_window`)."""
+    window_start, window_end = fixed_port_window()
+    start = window_start if start is None else start
+    end = window_end if end is None else end
     base = start + (os.getpid() * 37) % (end - start - count)
     for _ in range(200):
         if all(_port_free(base + offset) for offset in range(count)):

@@ -58,11 +58,17 @@ class Layout:
     replay_port: int
 
 
-def free_port_run(count: int, host: str = "127.0.0.1", start: int = 20000, stop: int = 60000) -> int:
-    """The first port of `count` consecutive ports free on `host` now (for tests and tools)."""
+def free_port_run(count: int, host: str = "127.0.0.1", start: int | None = None, stop: int | None = None) -> int:
+    """The first port of `count` consecutive ports free on `host` now (for tests and tools), by default below the
+    ephemeral range (`kvrouter.loadgen.fleet.fixed_port_window`)."""
     import random
     import socket
 
+    from kvrouter.ports import fixed_port_window
+
+    window = fixed_port_window()
+    start = window[0] if start is None else start
+    stop = window[1] if stop is None else stop
     rng = random.Random()
     for _ in range(200):
         first = rng.randrange(start, stop - count)
