@@ -43,13 +43,13 @@ def worker_main(settings: Settings, fleet: FleetConfig, number: int) -> int:
     import asyncio
 
     from kvrouter.app import create_app
-    from kvrouter.serve import _loop_factory, serve
+    from kvrouter.serving import loop_factory, serve
 
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[w{number}]: %(message)s"
     )
     app = create_app(settings, fleet)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(serve(app, settings, fleet))
 
 

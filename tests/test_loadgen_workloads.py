@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from kvrouter.loadgen.plan import WorkloadParams
 from kvrouter.loadgen.trace import BlockTokens, read_trace, trace_sessions
-from kvrouter.loadgen.workloads import WORKLOADS, WorkloadParams, build_schedule, count_requests
+from kvrouter.loadgen.workloads import WORKLOADS, build_schedule, count_requests
 from tests.shared_data import MOONCAKE_CONVERSATION, shared
 
 CHAT_WORKLOADS = [name for name in WORKLOADS if name != "mooncake"]

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrouter.loadgen.workloads import Body, PlannedRequest, Session, WorkloadParams
+from kvrouter.loadgen.plan import Body, PlannedRequest, Session, WorkloadParams
 
 
 @dataclass(frozen=True, slots=True)
