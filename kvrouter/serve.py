@@ -6,7 +6,7 @@ file or setting, the field and what was expected. The server runs on uvloop with
 that disconnects cancels its request upstream), freezes its start-up heap out of the garbage collector's
 full passes (a tail-latency spike otherwise), and shuts down gracefully on SIGTERM/SIGINT: it stops accepting,
 gives in-flight requests `shutdown_grace_s` to finish, then stops background work.
-`--workers N` runs N such processes on the port (SO_REUSEPORT), supervised by this one (`kvrouter.workers`).
+`--workers N` runs N such processes on the port (SO_REUSEPORT), supervised by this one (`kvrouter.server.workers`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from kvrouter.app import create_app
 from kvrouter.config import POLICY_NAMES, ConfigError, FleetConfig, Settings, load_fleet
-from kvrouter.serving import loop_factory, serve
+from kvrouter.server.app import create_app
+from kvrouter.server.serving import loop_factory, serve
 
 log = logging.getLogger("kvrouter")
 
@@ -94,14 +94,14 @@ def run(args: argparse.Namespace) -> int:
         # Built before the loop starts so a policy or tokenizer problem is a configuration error (exit 2).
         app = create_app(settings, fleet)
         if settings.workers > 1:
-            from kvrouter.workers import check_workers
+            from kvrouter.server.workers import check_workers
 
             check_workers(settings, fleet)
     except ConfigError as error:
         print(f"kvrouter: {one_line(str(error))}", file=sys.stderr)
         return 2
     if settings.workers > 1:
-        from kvrouter.workers import run_workers
+        from kvrouter.server.workers import run_workers
 
         return run_workers(settings, fleet)
     with asyncio.Runner(loop_factory=loop_factory()) as runner:

@@ -11,7 +11,7 @@ from kvrouter.blocktable import Backend, native_backend, pure_backend
 from kvrouter.events.ingest import IndexIngest
 from kvrouter.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEvent
 from kvrouter.index import PrefixIndex
-from kvrouter.routing import PrefixMatch
+from kvrouter.routing.router import PrefixMatch
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 A, B = ReplicaName("a"), ReplicaName("b")

@@ -17,7 +17,7 @@ hash as gone (see `index`). Ranks outside the replica's DP size never get here (
 
 Every event ends in exactly one `(replica, type, status)` count, handed to `on_event` (the Prometheus counter in
 the app) and kept in `counts` for tests and the debug endpoint. What was applied also goes, in the router's keys,
-to every `EventListener` (`kvrouter.lifecycle`; the learning overlays): `on_stored` with the keys of an indexed
+to every `EventListener` (`kvrouter.routing.lifecycle`; the learning overlays): `on_stored` with the keys of an indexed
 store, `on_removed` with the keys of the removed blocks the index knew, `on_cleared` for `AllBlocksCleared`
 (a restart or reset: the replica's cache is gone). `clock` stamps those calls.
 """
@@ -31,7 +31,7 @@ from typing import Protocol
 
 from kvrouter.blocks import chain_keys
 from kvrouter.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvrouter.lifecycle import EventListener, tell_cleared
+from kvrouter.routing.lifecycle import EventListener, tell_cleared
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 EventCount = Callable[[str, str, str], None]

@@ -46,12 +46,12 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from kvrouter.config import FleetConfig, ReplicaConfig
-from kvrouter.lifecycle import EventListener, tell_cleared
 from kvrouter.redisplane.catchup import ENTRY_ERRORS, Catchup, CatchupError, decode_entry, read_replica
 from kvrouter.redisplane.clients import redis_from_url
 from kvrouter.redisplane.entries import EntryCodec, Op, Removed, Stored, unpack_u64
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, Position, ReplicaKeys, replica_keys
 from kvrouter.redisplane.problems import SESSION_ERRORS, ApplyFailed, ProblemLog, replica_reason, session_reason
+from kvrouter.routing.lifecycle import EventListener, tell_cleared
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class RedisFollower:
         self._redis: Redis | None = None
         self._stopping = False
         self.listeners = tuple(listeners)
-        """Told what the stream applies (`kvrouter.lifecycle.EventListener`: the learning overlays): stores,
+        """Told what the stream applies (`kvrouter.routing.lifecycle.EventListener`: the learning overlays): stores,
         removals, clears; and a replica unfollowed. A reload's drop-and-replace is not a clear: the engine kept
         its cache, Redis only re-vouches for it."""
 

@@ -23,9 +23,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvrouter.config import FleetConfig
-from kvrouter.lifecycle import EventListener
 from kvrouter.redisplane.clients import is_cluster, masked_url
 from kvrouter.redisplane.follower import BlockSink, FollowerHealth, FollowerKnobs, RedisFollower, connect_redis
+from kvrouter.routing.lifecycle import EventListener
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """Serving one built app: listen (SO_REUSEPORT under `--workers`), run until SIGTERM/SIGINT, drain, stop.
 
-Shared by the `serve` subcommand (`kvrouter/serve.py`) and each `--workers` process (`kvrouter/workers.py`), which
-both import it; neither imports the other's serving code, so there is no circle between them.
+Shared by the `serve` subcommand (`kvrouter/serve.py`) and each `--workers` process
+(`kvrouter/server/workers.py`), which both import it; neither imports the other's serving code, so there is no
+circle between them.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from kvrouter.client_limits import EDGE, EdgeSite
 from kvrouter.config import FleetConfig, Settings
+from kvrouter.server.client_limits import EDGE, EdgeSite
 
 log = logging.getLogger("kvrouter")
 

@@ -15,15 +15,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrouter.openai_request import Endpoint, RequestError, parse_request
-from kvrouter.streaming import BodyTooLarge, read_capped
+from kvrouter.server.streaming import BodyTooLarge, read_capped
 from kvrouter.typedefs import ReplicaName
 
 if TYPE_CHECKING:
     from kvrouter.config import Settings
-    from kvrouter.load import LoadBook
     from kvrouter.metrics import RouterMetrics
-    from kvrouter.replicas import ReplicaSet, ReplicaState
-    from kvrouter.routing import Router
+    from kvrouter.routing.load import LoadBook
+    from kvrouter.routing.router import Router
+    from kvrouter.server.replicas import ReplicaSet, ReplicaState
 
 _CANDIDATE_FIELDS = frozenset({"replica", "cached_tokens", "score"})
 

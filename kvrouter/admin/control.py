@@ -20,14 +20,14 @@ from typing import Protocol, runtime_checkable
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvrouter.admin import Readiness, replicas_routable, setup_admin
-from kvrouter.admin_shared import RedisAdminState
+from kvrouter.admin.api import Readiness, replicas_routable, setup_admin
+from kvrouter.admin.fleet import AdminMetrics, FleetAdmin
+from kvrouter.admin.shared import RedisAdminState
 from kvrouter.config import FleetConfig, ReplicaConfig
-from kvrouter.fleet_admin import AdminMetrics, FleetAdmin
-from kvrouter.load import LoadBook
 from kvrouter.metrics import RouterMetrics
-from kvrouter.replicas import ReplicaSet
-from kvrouter.routing import Route
+from kvrouter.routing.load import LoadBook
+from kvrouter.routing.router import Route
+from kvrouter.server.replicas import ReplicaSet
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
