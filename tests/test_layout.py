@@ -9,6 +9,7 @@ has to hold in their head.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,3 +133,43 @@ def test_relative_and_lazy_imports_are_seen(tmp_path: Path) -> None:
 def test_no_import_circles() -> None:
     cycles = find_cycles(import_graph())
     assert not cycles, "import circles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def table_paths() -> list[str]:
+    """The `kvrouter/...` paths named in docs/architecture.md's module table (first column)."""
+    lines = ARCHITECTURE.read_text().splitlines()
+    start = lines.index("| module | job |")
+    paths: list[str] = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        first_cell = line.split("|")[1]
+        paths.extend(re.findall(r"`(kvrouter/[^`]*)`", first_cell))
+    return paths
+
+
+def layout_entries() -> set[str]:
+    """Every public module and package under kvrouter/, as the table spells them."""
+    entries: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(ROOT)
+        if any(part.startswith("_") for part in relative.parts[1:-1]) or "_vendor" in relative.parts:
+            continue
+        if path.name == "__init__.py":
+            if path.parent != PACKAGE:
+                entries.add(f"{relative.parent.as_posix()}/")
+        elif not path.name.startswith("_"):
+            entries.add(relative.as_posix())
+    return entries
+
+
+def test_architecture_table_names_every_module() -> None:
+    missing = sorted(layout_entries() - set(table_paths()))
+    assert not missing, f"docs/architecture.md's table does not name: {', '.join(missing)}"
+
+
+def test_architecture_table_names_only_what_exists() -> None:
+    named = table_paths()
+    assert len(named) == len(set(named)), "a path is named twice in docs/architecture.md's table"
+    gone = [path for path in named if not (ROOT / path).exists()]
+    assert not gone, f"docs/architecture.md's table names paths that do not exist: {', '.join(gone)}"
