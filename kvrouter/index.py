@@ -181,9 +181,6 @@ class PrefixIndex:
                 continue
             self._clear_source(source)
 
-    def remove_replica(self, replica: ReplicaName) -> None:
-        self.clear(replica)
-
     def _clear_source(self, source: _Source) -> None:
         # The cost is the source's own blocks (its engine map, or its live marks), not the whole index.
         if source.rank == _PROVISIONAL_RANK:

@@ -174,7 +174,7 @@ class EmbeddedEvents:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if forget:
-            self.index.remove_replica(replica)
+            self.index.clear(replica)
             tell_cleared(self.ingest.listeners, replica, self.clock())
             self.ingest.block_sizes.pop(replica, None)
             self.metrics.forget(replica)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from kvrouter.index import PrefixIndex
+from kvrouter.index_writer import IndexWriter
 from kvrouter.policies.base import Policy
 from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog, SizedPrompt
 from kvrouter.replay.trace import TraceRequest
@@ -374,7 +375,7 @@ class Replay:
     def _apply_events(self, replica: ReplicaName, events: Sequence[KvEvent]) -> None:
         """Events in order, consecutive stores batched into one index call."""
         key_of = self.catalog.keys_by_hash.get
-        index = self.index
+        index: IndexWriter = self.index
         hashes: list[EngineBlockHash] = []
         keys: list[BlockKey] = []
         for event in events:

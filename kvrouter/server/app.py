@@ -33,6 +33,7 @@ from kvrouter.blocks import native_block_keys
 from kvrouter.config import ConfigError, FleetConfig, Settings
 from kvrouter.events.embedded import EmbeddedEvents
 from kvrouter.index import PrefixIndex
+from kvrouter.index_writer import CountingIndexWriter
 from kvrouter.metrics import RouterMetrics
 from kvrouter.policies import build_policy
 from kvrouter.redisplane.wiring import build_follower
@@ -208,7 +209,7 @@ def create_app(
 
 
 def forget_replica(
-    index: PrefixIndex | None, listeners: Sequence[EventListener], clock: Callable[[], float]
+    index: CountingIndexWriter | None, listeners: Sequence[EventListener], clock: Callable[[], float]
 ) -> Callable[[ReplicaName], None]:
     """A replica's cache is gone (it refused a connection: its engine is down; or it left the fleet): its blocks
     leave the index and every overlay forgets what it learnt about it."""
