@@ -48,8 +48,9 @@ from kvrouter.loadgen.fleet import (
     start_sim,
     stop_all,
 )
+from kvrouter.loadgen.plan import WorkloadParams
 from kvrouter.loadgen.report import LoadSample, RowData, console_table, counter_deltas, read_records, summarize
-from kvrouter.loadgen.workloads import WORKLOADS, WorkloadParams, build_schedule, count_requests
+from kvrouter.loadgen.workloads import WORKLOADS, build_schedule, count_requests
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake" / ("conversation_trace.jsonl")

@@ -4,68 +4,22 @@
 a third of the memory of dicts of Python ints, and the lookup loop in C). `kvrouter/blocktable_pure.py` does the
 same with dicts: the reference the compiled tables are tested against, and the fallback when the extension was
 not built (an install without a C compiler). `load_backend()` picks the compiled one when it imports.
+The interface both implement is in `kvrouter/blocktable_protocol.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import cast
 
-
-class BlockTable(Protocol):
-    """uint64 key -> `words` uint64 words: a tier's block -> source-bit mask, or a source's engine hash -> key."""
-
-    @property
-    def words(self) -> int: ...
-    @property
-    def ordered(self) -> bool: ...
-    @property
-    def nbytes(self) -> int: ...
-    def __len__(self) -> int: ...
-    def widen(self, words: int, /) -> None: ...
-    def get(self, key: int, /) -> int | None: ...
-    def pop(self, key: int, /) -> int | None: ...
-    def set_many(self, keys: Sequence[int], values: Sequence[int], /) -> None: ...
-    def or_bit(self, keys: Sequence[int], bit: int, /) -> None: ...
-    def clear_bit(self, keys: Iterable[int], bit: int, /) -> int: ...
-    def has_bit(self, key: int, bit: int, /) -> bool: ...
-    def touch(self, keys: Sequence[int], /) -> None: ...
-    def evict_oldest(self, count: int, /) -> int: ...
-    def items(self) -> list[tuple[int, int]]: ...
-    def retain_held(self, tables: tuple[BlockTable, ...], bit: int, /) -> int: ...
-
-
-class TableFactory(Protocol):
-    def __call__(self, words: int = 1, ordered: bool = False) -> BlockTable: ...
-
-
-class PrefixLengths(Protocol):
-    def __call__(
-        self, keys: Sequence[int], gpu: BlockTable, lower: tuple[BlockTable, ...], /
-    ) -> tuple[dict[int, int], dict[int, int]]: ...
-
-
-class HeldCounts(Protocol):
-    def __call__(
-        self, tables: tuple[BlockTable, ...], excluded_bits: Sequence[int], /
-    ) -> tuple[dict[int, int], int]: ...
-
-
-class RemoveBlocks(Protocol):
-    def __call__(
-        self,
-        engine_map: BlockTable,
-        hashes: Iterable[int],
-        tier: BlockTable,
-        tables: tuple[BlockTable, ...],
-        bit: int,
-        /,
-    ) -> int: ...
-
-
-class ClearSource(Protocol):
-    def __call__(self, engine_map: BlockTable, tables: tuple[BlockTable, ...], bit: int, /) -> int: ...
+from kvrouter.blocktable_protocol import (
+    BlockTable,
+    ClearSource,
+    HeldCounts,
+    PrefixLengths,
+    RemoveBlocks,
+    TableFactory,
+)
 
 
 @dataclass(frozen=True, slots=True)

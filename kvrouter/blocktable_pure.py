@@ -13,7 +13,7 @@ import operator
 import sys
 from collections.abc import Iterable, Sequence
 
-from kvrouter.blocktable import BlockTable
+from kvrouter.blocktable_protocol import BlockTable
 
 _MAX_WORDS = 64
 _INT_BYTES = sys.getsizeof(2**63)

@@ -350,7 +350,7 @@ class Settings(BaseSettings):
     max_scrape_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1024, description="Largest /metrics or /health body read from a replica."
     )
-    # The client edge (issue 15, hostile clients; kvrouter/client_limits.py): what one client may hold.
+    # The client edge (issue 15, hostile clients; kvrouter/server/client_limits.py): what one client may hold.
     client_header_timeout_s: float = Field(
         default=10.0, gt=0, description="Time a client gets to send a request's line and headers once it began."
     )

@@ -310,8 +310,8 @@ def _collectors(registry: CollectorRegistry) -> dict[str, tuple[str, tuple[str, 
 def _app_metrics(settings: Settings) -> dict[str, tuple[str, tuple[str, ...], str]]:
     import logging
 
-    from kvrouter.app import create_app
     from kvrouter.config import parse_fleet
+    from kvrouter.server.app import create_app
 
     fleet = parse_fleet(
         {"replicas": [{"name": "a", "url": "http://127.0.0.1:9", "kv_events": {"endpoint": "tcp://127.0.0.1:9"}}]},

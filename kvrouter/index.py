@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvrouter.blocktable import Backend, BlockTable, load_backend
-from kvrouter.routing import PrefixMatch
+from kvrouter.routing.router import PrefixMatch
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 _PROVISIONAL_RANK = -1
@@ -180,9 +180,6 @@ class PrefixIndex:
             if dp_rank is not None and source.rank != dp_rank:
                 continue
             self._clear_source(source)
-
-    def remove_replica(self, replica: ReplicaName) -> None:
-        self.clear(replica)
 
     def _clear_source(self, source: _Source) -> None:
         # The cost is the source's own blocks (its engine map, or its live marks), not the whole index.

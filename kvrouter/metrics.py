@@ -155,7 +155,8 @@ class RouterMetrics:
             ["replica", "reason"],
             registry=registry,
         )
-        # The client edge (kvrouter/client_limits.py, the tokenizer's prompt caps): what hostile clients were refused.
+        # The client edge (kvrouter/server/client_limits.py, the tokenizer's prompt caps): what hostile clients
+        # were refused.
         self.client_rejections = Counter(
             "kvrouter_client_rejections",
             "Client connections or requests refused at the edge, by reason (connections, malformed_request, "

@@ -6,27 +6,23 @@ file or setting, the field and what was expected. The server runs on uvloop with
 that disconnects cancels its request upstream), freezes its start-up heap out of the garbage collector's
 full passes (a tail-latency spike otherwise), and shuts down gracefully on SIGTERM/SIGINT: it stops accepting,
 gives in-flight requests `shutdown_grace_s` to finish, then stops background work.
-`--workers N` runs N such processes on the port (SO_REUSEPORT), supervised by this one (`kvrouter.workers`).
+`--workers N` runs N such processes on the port (SO_REUSEPORT), supervised by this one (`kvrouter.server.workers`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
-import signal
 import sys
-from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from kvrouter.app import create_app
-from kvrouter.client_limits import EDGE, EdgeSite
 from kvrouter.config import POLICY_NAMES, ConfigError, FleetConfig, Settings, load_fleet
+from kvrouter.server.app import create_app
+from kvrouter.server.serving import loop_factory, serve
 
 log = logging.getLogger("kvrouter")
 
@@ -85,57 +81,10 @@ def load_configuration(args: argparse.Namespace) -> tuple[Settings, FleetConfig]
     return settings, load_fleet(settings.replicas)
 
 
-async def serve(
-    app: web.Application, settings: Settings, fleet: FleetConfig, *, ready: Callable[[int], None] | None = None
-) -> int:
-    """Serve `app` until SIGTERM/SIGINT; `ready` gets the bound port (useful with port 0)."""
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=settings.shutdown_grace_s, access_log=None)
-    await runner.setup()
-    site = EdgeSite(runner, app[EDGE], settings.host, settings.port, backlog=2048, reuse_port=settings.workers > 1)
-    try:
-        await site.start()
-    except OSError as error:
-        await runner.cleanup()
-        print(f"kvrouter: cannot listen on {settings.host}:{settings.port}: {error.strerror or error}", file=sys.stderr)
-        return 1
-    # Everything built so far (modules, app, tokenizer) lives as long as the process: moving it out of the
-    # collector's view keeps full collections, which would otherwise walk it all, from stalling requests.
-    gc.collect()
-    gc.freeze()
-    port = site.port
-    log.info(
-        "kvrouter listening on %s:%d; policy %s; %d replicas",
-        settings.host,
-        port,
-        settings.policy,
-        len(fleet.replicas),
-    )
-    if ready is not None:
-        ready(port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    log.info("shutting down: no new connections; in-flight requests get up to %.0fs", settings.shutdown_grace_s)
-    await runner.cleanup()
-    log.info("stopped")
-    return 0
-
-
 def one_line(message: str) -> str:
     """Operators grep logs: a multi-line parser message (YAML's caret diagrams) becomes one line."""
     parts = [part.strip() for part in message.splitlines()]
     return " ".join(part for part in parts if part and set(part) != {"^"})
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,15 +94,15 @@ def run(args: argparse.Namespace) -> int:
         # Built before the loop starts so a policy or tokenizer problem is a configuration error (exit 2).
         app = create_app(settings, fleet)
         if settings.workers > 1:
-            from kvrouter.workers import check_workers
+            from kvrouter.server.workers import check_workers
 
             check_workers(settings, fleet)
     except ConfigError as error:
         print(f"kvrouter: {one_line(str(error))}", file=sys.stderr)
         return 2
     if settings.workers > 1:
-        from kvrouter.workers import run_workers
+        from kvrouter.server.workers import run_workers
 
         return run_workers(settings, fleet)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(serve(app, settings, fleet))

@@ -28,8 +28,8 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
-from kvrouter.app import REPLICAS, create_app
 from kvrouter.config import Settings, load_fleet
+from kvrouter.server.app import REPLICAS, create_app
 
 TOKEN = "bench"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -15,8 +15,8 @@ import pytest
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
-from kvrouter.app import create_app
 from kvrouter.config import Settings, parse_fleet
+from kvrouter.server.app import create_app
 from tests.fake_replica import FakeBehaviour, FakeReplica
 
 ReplicaFactory = Callable[..., Awaitable[list[FakeReplica]]]

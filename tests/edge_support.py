@@ -13,11 +13,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvrouter.app import METRICS, PROXY, create_app
-from kvrouter.client_limits import EDGE, ClientEdge, EdgeSite
 from kvrouter.config import parse_fleet
 from kvrouter.metrics import RouterMetrics
-from kvrouter.proxy import Proxy
+from kvrouter.server.app import METRICS, PROXY, create_app
+from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeSite
+from kvrouter.server.proxy import Proxy
 from tests.conftest import router_settings
 from tests.fake_replica import FakeReplica
 

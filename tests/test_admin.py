@@ -19,10 +19,10 @@ import yaml
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
-from kvrouter.admin import READINESS_KEY
-from kvrouter.app import REPLICAS, create_app
+from kvrouter.admin.api import READINESS_KEY
+from kvrouter.admin.fleet import ReloadRefused, plan_reload
 from kvrouter.config import load_fleet, parse_fleet
-from kvrouter.fleet_admin import ReloadRefused, plan_reload
+from kvrouter.server.app import REPLICAS, create_app
 from tests.conftest import ReplicaFactory, eventually, router_settings, stop_process
 from tests.fake_replica import FakeReplica
 
@@ -344,7 +344,7 @@ async def test_ready_answers_503_with_a_reason_while_no_replica_is_routable(
 
 
 def test_ready_check_with_no_replica_configured() -> None:
-    from kvrouter.admin import replicas_routable
+    from kvrouter.admin.api import replicas_routable
 
     class Empty:
         draining: set[Any] = set()
@@ -390,10 +390,10 @@ def test_plan_reload_refuses_fleet_wide_changes(change: dict[str, Any]) -> None:
 async def test_an_event_source_that_is_catching_up_holds_readiness(aiohttp_client: Any) -> None:
     from aiohttp import web
 
-    from kvrouter.fleet_control import install_admin
-    from kvrouter.load import LoadBook
+    from kvrouter.admin.control import install_admin
     from kvrouter.metrics import RouterMetrics
-    from kvrouter.replicas import ReplicaSet
+    from kvrouter.routing.load import LoadBook
+    from kvrouter.server.replicas import ReplicaSet
 
     class CatchingUp:
         loaded = False

@@ -14,11 +14,11 @@ import yaml
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
-from kvrouter.admin import ADMIN_KEY
-from kvrouter.admin_shared import ADMIN_KEY as REDIS_KEY
-from kvrouter.admin_shared import RedisAdminState
-from kvrouter.app import REPLICAS, create_app
+from kvrouter.admin.api import ADMIN_KEY
+from kvrouter.admin.shared import ADMIN_KEY as REDIS_KEY
+from kvrouter.admin.shared import RedisAdminState
 from kvrouter.config import load_fleet
+from kvrouter.server.app import REPLICAS, create_app
 from tests.conftest import ReplicaFactory, eventually, router_settings
 from tests.fake_replica import FakeReplica
 from tests.redis_fixtures import RedisServer, redis_server  # noqa: F401  (fixture)

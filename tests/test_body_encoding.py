@@ -1,4 +1,4 @@
-"""Request bodies inflated in bounded slices (kvrouter/body_encoding.py): same bytes as a one-shot inflate, never
+"""Request bodies inflated in bounded slices (kvrouter/server/body_encoding.py): same bytes as a one-shot inflate, never
 more than a slice of output per step, and every corrupt or truncated body a BadEncoding (a 400, never a 500)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrouter.body_encoding import BadEncoding, Inflater
+from kvrouter.server.body_encoding import BadEncoding, Inflater
 
 
 def pack(encoding: str, data: bytes) -> bytes:

@@ -27,8 +27,8 @@ from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvrouter.app import FLEET, create_app
 from kvrouter.config import load_fleet
+from kvrouter.server.app import FLEET, create_app
 from tests.conftest import router_settings, stop_process
 from tests.deploy_support import DEPLOY, free_block
 from tests.shared_data import ci_tool

@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvrouter import docgen
-from kvrouter.app import create_app
 from kvrouter.config import Settings, parse_fleet
+from kvrouter.server.app import create_app
 from tests.deploy_support import REPO, VllmFlags, load_compose
 
 DOCS = REPO / "docs"

@@ -71,7 +71,7 @@ async def test_the_connection_cap_answers_503_logs_once_and_recovers(
     async with edge_router(replicas, max_client_connections=4) as router:
         held = [await asyncio.open_connection("127.0.0.1", router.port) for _ in range(4)]
         await eventually(lambda: router.edge.open == 4, what="four connections open")
-        with caplog.at_level(logging.WARNING, logger="kvrouter.client_limits"):
+        with caplog.at_level(logging.WARNING, logger="kvrouter.server.client_limits"):
             answers = []
             for _ in range(3):
                 reader, writer = await asyncio.open_connection("127.0.0.1", router.port)

@@ -18,13 +18,13 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvrouter.app import create_app
 from kvrouter.blocks import chain_keys
 from kvrouter.config import parse_fleet
 from kvrouter.events.embedded import EmbeddedEvents
 from kvrouter.events.metrics import EventMetrics
 from kvrouter.events.wire import encode_seq
 from kvrouter.index import PrefixIndex
+from kvrouter.server.app import create_app
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import router_settings
 from tests.redis_fixtures import free_port

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from kvrouter.app import SETTINGS
+from kvrouter.server.app import SETTINGS
 from tests.conftest import ReplicaFactory, RouterFactory
 from tests.test_proxy import CHAT
 

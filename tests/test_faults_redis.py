@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from kvrouter.app import ROUTER, create_app
 from kvrouter.config import parse_fleet
 from kvrouter.events.wire import WireDecoder
 from kvrouter.index import PrefixIndex
 from kvrouter.redisplane.follower import connect_redis
 from kvrouter.relay import Relay
+from kvrouter.server.app import ROUTER, create_app
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import ReplicaFactory, router_settings
 from tests.redis_fixtures import RedisServer, redis_server_persistent

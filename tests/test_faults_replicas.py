@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 
-from kvrouter.app import LOAD, PROXY
+from kvrouter.server.app import LOAD, PROXY
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import ReplicaFactory, RouterFactory, eventually
 from tests.faults_support import RawServer, ReplicaProcess

@@ -22,9 +22,9 @@ import pytest
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
-from kvrouter.app import ROUTER, create_app
 from kvrouter.config import parse_fleet
 from kvrouter.index import PrefixIndex
+from kvrouter.server.app import ROUTER, create_app
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import eventually, router_settings
 from tests.faults_support import SimProcess

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvrouter.feedback import FeedbackConfig, FeedbackLookup
 from kvrouter.index import PrefixIndex
+from kvrouter.routing.feedback import FeedbackConfig, FeedbackLookup
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
 from tests.shared_data import MOONCAKE_CONVERSATION, shared
 

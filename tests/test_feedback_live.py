@@ -12,16 +12,16 @@ import msgspec
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from kvrouter.app import create_app
 from kvrouter.blocks import cacheable_tokens
 from kvrouter.config import parse_fleet
 from kvrouter.events.ingest import IndexIngest
 from kvrouter.events.wire import WireDecoder, encode_seq
-from kvrouter.feedback import FeedbackLookup
 from kvrouter.index import PrefixIndex
 from kvrouter.openai_request import parse_request
 from kvrouter.redisplane.entries import Stored, pack_u64
 from kvrouter.redisplane.follower import RedisFollower
+from kvrouter.routing.feedback import FeedbackLookup
+from kvrouter.server.app import create_app
 from kvrouter.tokenization import HfPromptTokenizer
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
 from tests.conftest import ReplicaFactory, router_settings

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from kvrouter.app import create_app
 from kvrouter.config import parse_fleet
+from kvrouter.server.app import create_app
 from kvrouter.tinymodel import ensure_tokenizer
 from tests.conftest import router_settings
 from tests.fake_replica import FakeReplica

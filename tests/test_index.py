@@ -11,7 +11,7 @@ from kvrouter.blocktable import Backend, native_backend, pure_backend
 from kvrouter.events.ingest import IndexIngest
 from kvrouter.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEvent
 from kvrouter.index import PrefixIndex
-from kvrouter.routing import PrefixMatch
+from kvrouter.routing.router import PrefixMatch
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 A, B = ReplicaName("a"), ReplicaName("b")
@@ -110,8 +110,8 @@ def test_remove_replica_forgets_everything_and_frees_its_bits(backend: Backend) 
         index.store_keys(ReplicaName(f"r{n}"), hashes(2), keys(2))
     index.add_provisional(A, keys(4), 0.0)
     assert len(index.longest_prefixes(keys(4), 0.0)) == 71
-    index.remove_replica(A)
-    index.remove_replica(ReplicaName("r3"))
+    index.clear(A)
+    index.clear(ReplicaName("r3"))
     result = index.longest_prefixes(keys(4), 0.0)
     assert A not in result and ReplicaName("r3") not in result and len(result) == 69
     index.store_keys(ReplicaName("new"), hashes(4), keys(4))

@@ -10,7 +10,7 @@ import pytest
 
 from kvrouter.blocktable import Backend, native_backend, pure_backend
 from kvrouter.index import PrefixIndex
-from kvrouter.routing import PrefixMatch
+from kvrouter.routing.router import PrefixMatch
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 

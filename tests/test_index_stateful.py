@@ -8,7 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvrouter.blocktable import pure_backend
 from kvrouter.index import PrefixIndex
-from kvrouter.routing import PrefixMatch
+from kvrouter.routing.router import PrefixMatch
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 REPLICAS = [ReplicaName(n) for n in ("a", "b", "c")]

@@ -22,16 +22,16 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvrouter.app import PROXY, ROUTER, create_app
 from kvrouter.config import parse_fleet
-from kvrouter.feedback import FeedbackLookup
-from kvrouter.lifecycle import Routed
 from kvrouter.policies.base import Decision
 from kvrouter.policies.kv_aware import KvAwarePolicy
 from kvrouter.replay.driver import Replay, ReplayOptions, VirtualClock
 from kvrouter.replay.prompts import PromptCatalog
 from kvrouter.replay.trace import TraceRequest
-from kvrouter.routing import Router
+from kvrouter.routing.feedback import FeedbackLookup
+from kvrouter.routing.lifecycle import Routed
+from kvrouter.routing.router import Router
+from kvrouter.server.app import PROXY, ROUTER, create_app
 from kvrouter.sim.model import EngineGaugesSnapshot, EngineRequest, StepResult
 from kvrouter.typedefs import BlockKey, ReplicaName
 from tests.conftest import eventually, router_settings

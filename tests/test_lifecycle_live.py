@@ -12,17 +12,17 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvrouter.app import ROUTER, create_app
 from kvrouter.blocks import chain_keys
 from kvrouter.config import parse_fleet
 from kvrouter.events.ingest import IndexIngest
 from kvrouter.events.wire import AllBlocksCleared, BlockRemoved
-from kvrouter.feedback import FeedbackLookup
 from kvrouter.index import PrefixIndex
-from kvrouter.load import LoadBook
-from kvrouter.overlays import build_overlays
 from kvrouter.redisplane.entries import Cleared, Removed, Stored, pack_u64
 from kvrouter.redisplane.follower import RedisFollower
+from kvrouter.routing.feedback import FeedbackLookup
+from kvrouter.routing.load import LoadBook
+from kvrouter.routing.overlays import build_overlays
+from kvrouter.server.app import ROUTER, create_app
 from kvrouter.typedefs import EngineBlockHash, ReplicaName
 from tests.conftest import ReplicaFactory, router_settings
 from tests.test_index import BS, batch, stored

@@ -1,4 +1,4 @@
-from kvrouter.load import EngineGauges, LoadBook
+from kvrouter.routing.load import EngineGauges, LoadBook
 from kvrouter.typedefs import ReplicaName
 
 A = ReplicaName("a")

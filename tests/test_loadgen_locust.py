@@ -14,8 +14,9 @@ import requests
 from aiohttp import web
 
 from kvrouter.loadgen.client import Replay, send
+from kvrouter.loadgen.plan import PlannedRequest, WorkloadParams
 from kvrouter.loadgen.stream import Dispatcher, RequestRecord, StreamTimer
-from kvrouter.loadgen.workloads import PlannedRequest, WorkloadParams, build_schedule
+from kvrouter.loadgen.workloads import build_schedule
 from tests.loadgen_fake import build_fake_app
 
 ROOT = Path(__file__).resolve().parents[1]

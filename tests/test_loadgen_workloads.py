@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvrouter.loadgen.trace import BlockTokens, read_trace, trace_sessions
-from kvrouter.loadgen.workloads import WORKLOADS, WorkloadParams, build_schedule, count_requests
+from kvrouter.loadgen.plan import WorkloadParams
+from kvrouter.loadgen.trace import BlockTokens, trace_sessions
+from kvrouter.loadgen.workloads import WORKLOADS, build_schedule, count_requests
+from kvrouter.replay.trace import load_trace
+from kvrouter.traces import TraceError, read_rows
 from tests.shared_data import MOONCAKE_CONVERSATION, shared
 
 CHAT_WORKLOADS = [name for name in WORKLOADS if name != "mooncake"]
@@ -148,7 +151,26 @@ def test_bad_trace_row_names_the_line(tmp_path: Path) -> None:
     trace = tmp_path / "bad.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n{"oops": 1}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
-        list(read_trace(trace))
+        list(read_rows(trace))
+
+
+def test_the_load_generator_and_the_replay_read_a_trace_alike(tmp_path: Path) -> None:
+    """One reader behind both: the same rows (arrival, lengths) and the same file:line error on a bad row."""
+    trace = tmp_path / "trace.jsonl"
+    _write_trace(trace)
+    sessions = trace_sessions(WorkloadParams(trace=trace, duration_s=100))
+    replayed = load_trace(trace)
+    assert [s.start_s for s in sessions] == [r.arrival for r in replayed.requests]
+    assert [s.requests[0].max_tokens for s in sessions] == [r.output_length for r in replayed.requests]
+    assert [len(s.requests[0].make_body()["prompt"]) for s in sessions] == [r.input_length for r in replayed.requests]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(trace.read_text() + '{"timestamp": 1, "input_length": -3, "output_length": 1, "hash_ids": []}\n')
+    errors = []
+    for read in (lambda: trace_sessions(WorkloadParams(trace=bad, duration_s=100)), lambda: load_trace(bad)):
+        with pytest.raises(TraceError) as caught:
+            read()
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1] == f"{bad}:5: field 'input_length' must be a non-negative integer"
 
 
 def test_real_conversation_trace_slice_reuses_prefixes() -> None:

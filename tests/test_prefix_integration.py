@@ -15,11 +15,11 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from kvrouter.app import create_app
 from kvrouter.blocks import cacheable_tokens
 from kvrouter.config import parse_fleet
 from kvrouter.events.wire import encode_seq
 from kvrouter.openai_request import parse_request
+from kvrouter.server.app import create_app
 from kvrouter.tinymodel import ensure_tokenizer
 from kvrouter.tokenization import HfPromptTokenizer
 from tests.conftest import ReplicaFactory, router_settings

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from kvrouter.app import LOAD, SESSION
+from kvrouter.server.app import LOAD, SESSION
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import ReplicaFactory, RouterFactory
 

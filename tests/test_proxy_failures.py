@@ -8,7 +8,7 @@ import time
 import aiohttp
 import pytest
 
-from kvrouter.app import REPLICAS
+from kvrouter.server.app import REPLICAS
 from tests.conftest import ReplicaFactory, RouterFactory, eventually
 from tests.test_proxy import CHAT, metric_value
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvrouter.config import ReplicaConfig
-from kvrouter.replicas import BreakerPolicy, BreakerState, ReplicaState, parse_engine_gauges
+from kvrouter.server.replicas import BreakerPolicy, BreakerState, ReplicaState, parse_engine_gauges
 
 
 class Clock:

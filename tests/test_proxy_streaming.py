@@ -6,7 +6,7 @@ import json
 
 from multidict import CIMultiDict
 
-from kvrouter.streaming import UsageScanner, cached_tokens_in_body, downstream_headers, upstream_headers
+from kvrouter.server.streaming import UsageScanner, cached_tokens_in_body, downstream_headers, upstream_headers
 
 
 def sse(*payloads: object) -> bytes:

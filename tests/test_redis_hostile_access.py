@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from kvrouter.admin_shared import RedisAdminState
-from kvrouter.app import ROUTER, create_app
+from kvrouter.admin.shared import RedisAdminState
 from kvrouter.index import PrefixIndex
 from kvrouter.redisplane.clients import masked_url, redis_from_url
 from kvrouter.redisplane.follower import connect_redis
 from kvrouter.relay import Relay
+from kvrouter.server.app import ROUTER, create_app
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import eventually, router_settings
 from tests.redis_fixtures import RedisServer, make_tls

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from kvrouter.app import ROUTER, create_app
 from kvrouter.config import Settings
 from kvrouter.events.wire import WireDecoder
 from kvrouter.index import PrefixIndex
 from kvrouter.redisplane.follower import connect_redis
 from kvrouter.relay import Relay
+from kvrouter.server.app import ROUTER, create_app
 from kvrouter.typedefs import ReplicaName
 from tests.redis_fixtures import RedisServer, redis_server_persistent
 from tests.redis_plane_support import SyntheticEngine, synthetic_fleet

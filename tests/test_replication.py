@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvrouter.policies.base import CandidateScore, Decision
-from kvrouter.replication import HotPrefixReplicator, PrefixHeat, ReplicationConfig, WarmUp
+from kvrouter.routing.replication import HotPrefixReplicator, PrefixHeat, ReplicationConfig, WarmUp
 from kvrouter.typedefs import BlockKey, ReplicaName
 from tests.shared_data import MOONCAKE_CONVERSATION, shared
 

@@ -4,9 +4,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvrouter.blocks import chain_keys
-from kvrouter.load import LoadBook
 from kvrouter.policies.base import Candidate, CandidateScore, Decision, RouteRequest
-from kvrouter.routing import PrefixMatch, Route, Router, RoutingFacts
+from kvrouter.routing.load import LoadBook
+from kvrouter.routing.router import PrefixMatch, Route, Router, RoutingFacts
 from kvrouter.typedefs import BlockKey, ReplicaName
 
 A, B = ReplicaName("a"), ReplicaName("b")

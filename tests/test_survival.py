@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvrouter.index import PrefixIndex
-from kvrouter.load import LoadBook
-from kvrouter.survival import SurvivalConfig, SurvivalLookup
+from kvrouter.routing.load import LoadBook
+from kvrouter.routing.survival import SurvivalConfig, SurvivalLookup
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
 
 A, B = ReplicaName("a"), ReplicaName("b")

@@ -6,7 +6,7 @@ import pytest
 
 from kvrouter.policies.base import Candidate, ReplicaLoad, RouteRequest
 from kvrouter.policies.kv_aware import KvAwareConfig, KvAwarePolicy
-from kvrouter.tuning import TunerConfig, WeightTuner
+from kvrouter.routing.tuning import TunerConfig, WeightTuner
 from kvrouter.typedefs import ReplicaName
 
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from kvrouter.app import METRICS, REPLICAS
-from kvrouter.replicas import BreakerState
-from kvrouter.streaming import UsageScanner
+from kvrouter.server.app import METRICS, REPLICAS
+from kvrouter.server.replicas import BreakerState
+from kvrouter.server.streaming import UsageScanner
 from tests.conftest import ReplicaFactory, RouterFactory, eventually
 from tests.test_proxy import CHAT, metric_value
 

@@ -4,8 +4,8 @@ engine token counters that count as progress (issue 15, upstream side)."""
 from __future__ import annotations
 
 from kvrouter.config import DEFAULT_PASSTHROUGH_PATHS
-from kvrouter.proxy import PathAllowList
-from kvrouter.replicas import BreakerState, engine_token_total
+from kvrouter.server.proxy import PathAllowList
+from kvrouter.server.replicas import BreakerState, engine_token_total
 from tests.test_proxy_replicas import Clock, replica
 
 

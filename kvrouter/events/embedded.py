@@ -4,8 +4,9 @@
 the index through `IndexIngest`, and keeps the event metrics (per-event status counts, ingest lag) current; the
 blocks per replica are read from the index when scraped (`held_blocks`). It follows and unfollows replicas while
 running (the admin API's reload calls `follow` / `unfollow`), and `context` is the `cleanup_ctx` that starts and
-stops it with the application. What the ingest applies reaches the `listeners` (`kvrouter.lifecycle.EventListener`:
-the learning overlays), and so does a replica unfollowed for good (its cache is gone for this router).
+stops it with the application. What the ingest applies reaches the `listeners`
+(`kvrouter.routing.lifecycle.EventListener`: the learning overlays), and so does a replica unfollowed for good
+(its cache is gone for this router).
 
 It also watches for a replica that never speaks: an engine publishes only when its blocks change, so silence
 alone means nothing, but a replica that has been sent requests (their blocks are provisional marks in the index)
@@ -35,7 +36,7 @@ from kvrouter.events.metrics import EventMetrics
 from kvrouter.events.wire import EventBatch
 from kvrouter.events.zmq_source import ZmqEventSource
 from kvrouter.index import PrefixIndex
-from kvrouter.lifecycle import EventListener, tell_cleared
+from kvrouter.routing.lifecycle import EventListener, tell_cleared
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class EmbeddedEvents:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if forget:
-            self.index.remove_replica(replica)
+            self.index.clear(replica)
             tell_cleared(self.ingest.listeners, replica, self.clock())
             self.ingest.block_sizes.pop(replica, None)
             self.metrics.forget(replica)

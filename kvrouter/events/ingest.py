@@ -17,7 +17,7 @@ hash as gone (see `index`). Ranks outside the replica's DP size never get here (
 
 Every event ends in exactly one `(replica, type, status)` count, handed to `on_event` (the Prometheus counter in
 the app) and kept in `counts` for tests and the debug endpoint. What was applied also goes, in the router's keys,
-to every `EventListener` (`kvrouter.lifecycle`; the learning overlays): `on_stored` with the keys of an indexed
+to every `EventListener` (`kvrouter.routing.lifecycle`; the learning overlays): `on_stored` with the keys of an indexed
 store, `on_removed` with the keys of the removed blocks the index knew, `on_cleared` for `AllBlocksCleared`
 (a restart or reset: the replica's cache is gone). `clock` stamps those calls.
 """
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
 
 from kvrouter.blocks import chain_keys
 from kvrouter.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvrouter.lifecycle import EventListener, tell_cleared
-from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
+from kvrouter.index_writer import IndexWriter
+from kvrouter.routing.lifecycle import EventListener, tell_cleared
+from kvrouter.typedefs import BlockKey, ReplicaName
 
 EventCount = Callable[[str, str, str], None]
 """(replica, event type, status) -> None; called once per event."""
@@ -40,32 +40,10 @@ EventCount = Callable[[str, str, str], None]
 _FULL_ATTENTION = (None, "full_attention")
 
 
-class BlockStore(Protocol):
-    """What ingest needs of the index (`index.PrefixIndex`, or the relay's Redis-backed book)."""
-
-    def key_of(self, replica: ReplicaName, engine_hash: EngineBlockHash, *, dp_rank: int = 0) -> BlockKey | None: ...
-
-    def store_keys(
-        self,
-        replica: ReplicaName,
-        engine_hashes: Sequence[EngineBlockHash],
-        keys: Sequence[BlockKey],
-        tier: Tier = Tier.GPU,
-        *,
-        dp_rank: int = 0,
-    ) -> None: ...
-
-    def remove_blocks(
-        self, replica: ReplicaName, engine_hashes: Iterable[EngineBlockHash], tier: Tier = Tier.GPU, *, dp_rank: int = 0
-    ) -> int: ...
-
-    def clear(self, replica: ReplicaName, *, dp_rank: int | None = None) -> None: ...
-
-
 class IndexIngest:
     def __init__(
         self,
-        index: BlockStore,
+        index: IndexWriter,
         *,
         block_sizes: Mapping[ReplicaName, int],
         seed: int = 0,
@@ -164,4 +142,4 @@ def _lora_only(extra: list[object], lora_name: str) -> bool:
     return all(not keys or list(keys) == [lora_name] for keys in extra)  # type: ignore[call-overload]
 
 
-__all__ = ["BlockStore", "EventCount", "IndexIngest"]
+__all__ = ["EventCount", "IndexIngest"]

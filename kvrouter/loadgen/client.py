@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from kvrouter.loadgen.plan import PlannedRequest, WorkloadParams
 from kvrouter.loadgen.stream import Dispatcher, RequestRecord, StreamTimer
-from kvrouter.loadgen.workloads import WORKLOADS, PlannedRequest, WorkloadParams, build_schedule, with_overrides
+from kvrouter.loadgen.workloads import WORKLOADS, build_schedule, with_overrides
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 REPLICA_HEADER = "x-kvrouter-replica"

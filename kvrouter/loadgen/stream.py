@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvrouter.loadgen.workloads import Session
+from kvrouter.loadgen.plan import Session
 
 
 @dataclass(slots=True)

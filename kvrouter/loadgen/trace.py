@@ -8,44 +8,20 @@ go to /v1/completions as token ids with `max_tokens = output_length` and `ignore
 and decodes exactly what the trace says.
 
 The replayed slice starts `trace_start_s` into the trace and lasts `duration_s` wall-clock seconds, during which
-the trace plays `trace_speedup` times faster than it was recorded; arrivals stay open-loop.
+the trace plays `trace_speedup` times faster than it was recorded; arrivals stay open-loop. The rows are read by
+`kvrouter.traces.read_rows`, the one trace reader (the replay's too).
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrouter.loadgen.workloads import Body, PlannedRequest, Session, WorkloadParams
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRow:
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def read_trace(path: Path) -> Iterator[TraceRow]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                yield TraceRow(
-                    int(row["timestamp"]),
-                    int(row["input_length"]),
-                    int(row["output_length"]),
-                    tuple(int(h) for h in row["hash_ids"]),
-                )
-            except (ValueError, KeyError, TypeError) as error:
-                raise ValueError(f"{path}:{number}: not a Mooncake trace row ({error})") from None
+from kvrouter.loadgen.plan import Body, PlannedRequest, Session, WorkloadParams
+from kvrouter.traces import TraceRow, read_rows
 
 
 @dataclass(slots=True)
@@ -90,12 +66,12 @@ def trace_sessions(params: WorkloadParams) -> list[Session]:
     start_ms = params.trace_start_s * 1000.0
     end_ms = start_ms + params.duration_s * params.trace_speedup * 1000.0
     sessions: list[Session] = []
-    for number, row in enumerate(read_trace(params.trace)):
-        if row.timestamp_ms < start_ms:
+    for number, row in enumerate(read_rows(params.trace)):
+        if row.timestamp < start_ms:
             continue
-        if row.timestamp_ms >= end_ms:
+        if row.timestamp >= end_ms:
             break
-        at = (row.timestamp_ms - start_ms) / 1000.0 / params.trace_speedup
+        at = (row.timestamp - start_ms) / 1000.0 / params.trace_speedup
         max_tokens = max(1, row.output_length)
 
         def make(row: TraceRow = row, max_tokens: int = max_tokens) -> Body:
@@ -115,10 +91,10 @@ def trace_summary(path: Path) -> dict[str, float]:
     rows = 0
     first = last = 0
     tokens_in = tokens_out = 0
-    for row in read_trace(path):
+    for row in read_rows(path):
         if rows == 0:
-            first = row.timestamp_ms
-        last = row.timestamp_ms
+            first = row.timestamp
+        last = row.timestamp
         rows += 1
         tokens_in += row.input_length
         tokens_out += row.output_length

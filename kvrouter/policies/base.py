@@ -5,7 +5,7 @@ healthy, routable replica (how many prompt tokens kvrouter believes are cached t
 returns a `Decision` with a per-candidate breakdown. `select` never changes state, so `/debug/route` can call it
 as a dry run; state a policy keeps (the round-robin cursor) moves only in `record`, which the router calls once
 the decision is acted on, and `first_token` tells it a request's measured time to first token (the lifecycle,
-`kvrouter.lifecycle.Routed`, calls it live and in replay alike). The index lookup and load accounting happen
+`kvrouter.routing.lifecycle.Routed`, calls it live and in replay alike). The index lookup and load accounting happen
 outside, in the same objects for the live router and for virtual-time replay.
 """
 

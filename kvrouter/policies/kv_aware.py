@@ -45,9 +45,9 @@ Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets:
 - `kv_waiting_request_tokens` [0]: prompt tokens assumed for each request the engine reports waiting beyond the
   ones this router is prefilling there (other routers' traffic; 0 = trust this router's own accounting).
 - `kv_hotspot_ratio` [2.0] and `kv_hotspot_slack` [8]: the hot-spot load cap described above.
-- `kv_tune` [off]: tune `cache_weight` online against measured TTFT (`kvrouter/tuning.py`: 10% of decisions
+- `kv_tune` [off]: tune `cache_weight` online against measured TTFT (`kvrouter/routing/tuning.py`: 10% of decisions
   probe the weight x1.25 and x0.75); each request's TTFT, as the router measured it, comes back through
-  `first_token` (from `kvrouter.lifecycle.Routed`, live and in replay alike). Off by default: on the
+  `first_token` (from `kvrouter.routing.lifecycle.Routed`, live and in replay alike). Off by default: on the
   Mooncake trace it did not beat the fixed weight (docs/benchmarks.md, "Beyond kv_aware").
 """
 
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrouter.policies.base import Candidate, CandidateScore, Decision, RouteRequest
-from kvrouter.tuning import WeightTuner
+from kvrouter.routing.tuning import WeightTuner
 from kvrouter.typedefs import ReplicaName
 
 

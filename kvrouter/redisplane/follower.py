@@ -40,18 +40,19 @@ import random
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from kvrouter.config import FleetConfig, ReplicaConfig
-from kvrouter.lifecycle import EventListener, tell_cleared
+from kvrouter.index_writer import IndexWriter
 from kvrouter.redisplane.catchup import ENTRY_ERRORS, Catchup, CatchupError, decode_entry, read_replica
 from kvrouter.redisplane.clients import redis_from_url
 from kvrouter.redisplane.entries import EntryCodec, Op, Removed, Stored, unpack_u64
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, Position, ReplicaKeys, replica_keys
 from kvrouter.redisplane.problems import SESSION_ERRORS, ApplyFailed, ProblemLog, replica_reason, session_reason
+from kvrouter.routing.lifecycle import EventListener, tell_cleared
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 log = logging.getLogger(__name__)
@@ -59,28 +60,6 @@ log = logging.getLogger(__name__)
 
 class _Resubscribe(Exception):
     """The set of followed replicas changed: start a new session (positions are kept)."""
-
-
-class BlockSink(Protocol):
-    """What the follower writes to; `kvrouter.index.PrefixIndex` is one."""
-
-    def store_keys(
-        self,
-        replica: ReplicaName,
-        engine_hashes: Sequence[EngineBlockHash],
-        keys: Sequence[BlockKey],
-        tier: Tier = ...,
-        *,
-        dp_rank: int = ...,
-    ) -> None: ...
-
-    def remove_blocks(
-        self, replica: ReplicaName, engine_hashes: Iterable[EngineBlockHash], tier: Tier = ..., *, dp_rank: int = ...
-    ) -> int: ...
-
-    def clear(self, replica: ReplicaName, *, dp_rank: int | None = ...) -> None: ...
-
-    def key_of(self, replica: ReplicaName, engine_hash: EngineBlockHash, *, dp_rank: int = ...) -> BlockKey | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +128,7 @@ class RedisFollower:
         self,
         connect: Callable[[], Redis],
         replicas: Iterable[ReplicaName],
-        sink: BlockSink,
+        sink: IndexWriter,
         *,
         hash_seed: int,
         clock: Callable[[], float],
@@ -188,7 +167,7 @@ class RedisFollower:
         self._redis: Redis | None = None
         self._stopping = False
         self.listeners = tuple(listeners)
-        """Told what the stream applies (`kvrouter.lifecycle.EventListener`: the learning overlays): stores,
+        """Told what the stream applies (`kvrouter.routing.lifecycle.EventListener`: the learning overlays): stores,
         removals, clears; and a replica unfollowed. A reload's drop-and-replace is not a clear: the engine kept
         its cache, Redis only re-vouches for it."""
 

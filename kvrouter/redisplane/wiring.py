@@ -23,9 +23,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvrouter.config import FleetConfig
-from kvrouter.lifecycle import EventListener
+from kvrouter.index_writer import IndexWriter
 from kvrouter.redisplane.clients import is_cluster, masked_url
-from kvrouter.redisplane.follower import BlockSink, FollowerHealth, FollowerKnobs, RedisFollower, connect_redis
+from kvrouter.redisplane.follower import FollowerHealth, FollowerKnobs, RedisFollower, connect_redis
+from kvrouter.routing.lifecycle import EventListener
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class FollowerCollector(Collector):
 def build_follower(
     redis_url: str,
     fleet: FleetConfig,
-    index: BlockSink,
+    index: IndexWriter,
     registry: CollectorRegistry,
     *,
     clock: Callable[[], float] = time.monotonic,

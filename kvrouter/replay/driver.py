@@ -3,7 +3,7 @@
 Routing goes through the live router's own objects — `Router` (candidates from the `PrefixIndex`, the engine's
 cached-token rule, the policy's pure `select`, then `commit`: policy state, provisional entries, a `LoadBook`
 ticket, and a `Routed` handle that takes the request's first token, cached-token report and finish, exactly as the
-live proxy reports them; `kvrouter.lifecycle`) — only the clock is virtual. Each engine runs passes back to back
+live proxy reports them; `kvrouter.routing.lifecycle`) — only the clock is virtual. Each engine runs passes back to back
 while it has work; a pass starts at the end of the previous one, or when a request reaches an idle engine. What a
 pass produced becomes visible at its end: first tokens and finishes move the load book, and its KV events reach the
 index then (plus `event_delay_s`, to model a slow event path). Engine gauges are sampled every `scrape_interval_s`
@@ -11,16 +11,16 @@ of virtual time into `LoadBook.observe_engine`, as the live router scrapes /metr
 events come before scrapes and arrivals, and passes start last, so simultaneous arrivals share a pass.
 
 Options beyond the plain router: `feedback` and `survival` turn on the learning overlays, built by the same
-`kvrouter.overlays.build_overlays` the live app uses and fed the same way: a request's first
+`kvrouter.routing.overlays.build_overlays` the live app uses and fed the same way: a request's first
 `StepResult.cached_tokens` goes to `Routed.served` when it finishes (live, the usage arrives at the end of the
 answer), and every KV event the index applies goes to the overlays' `EventListener` methods (stores, removals,
 clears). The policy hears each first token through the handle (kv_aware's `kv_tune` learns from it). `replicate`
-sends the warm-ups `HotPrefixReplicator` (kvrouter/replication.py) asks for after a decision; `drain_at_s` takes the
-last engine out of routing at that time (it finishes what it has), after warming its `drain_warm` hottest prefixes
-on the others. A warm-up is a 1-token request carrying the prefix: it counts in the load book and marks provisional
-entries like a routed request, and is left out of the results. `lost_removals` drops that share of the first
-engine's `BlockRemoved` events on their way to the router (a lossy event path: its index keeps blocks the engine no
-longer has)."""
+sends the warm-ups `HotPrefixReplicator` (kvrouter/routing/replication.py) asks for after a decision;
+`drain_at_s` takes the last engine out of routing at that time (it finishes what it has), after warming its
+`drain_warm` hottest prefixes on the others. A warm-up is a 1-token request carrying the prefix: it counts in
+the load book and marks provisional entries like a routed request, and is left out of the results.
+`lost_removals` drops that share of the first engine's `BlockRemoved` events on their way to the router (a lossy
+event path: its index keeps blocks the engine no longer has)."""
 
 from __future__ import annotations
 
@@ -29,18 +29,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from kvrouter.feedback import FeedbackLookup
 from kvrouter.index import PrefixIndex
-from kvrouter.lifecycle import Routed, tell_cleared
-from kvrouter.load import EngineGauges, LoadBook, Ticket
-from kvrouter.overlays import build_overlays
+from kvrouter.index_writer import IndexWriter
 from kvrouter.policies.base import Policy
 from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog, SizedPrompt
 from kvrouter.replay.trace import TraceRequest
-from kvrouter.replication import HotPrefixReplicator, PrefixHeat
-from kvrouter.routing import Route, Router, RoutingFacts
+from kvrouter.routing.feedback import FeedbackLookup
+from kvrouter.routing.lifecycle import Routed, tell_cleared
+from kvrouter.routing.load import EngineGauges, LoadBook, Ticket
+from kvrouter.routing.overlays import build_overlays
+from kvrouter.routing.replication import HotPrefixReplicator, PrefixHeat
+from kvrouter.routing.router import Route, Router, RoutingFacts
+from kvrouter.routing.survival import SurvivalLookup
 from kvrouter.sim.model import CacheCleared, EngineModel, EngineRequest, KvEvent, RemovedBlocks, StepResult
-from kvrouter.survival import SurvivalLookup
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
 
 EngineFactory = Callable[[], EngineModel]
@@ -374,7 +375,7 @@ class Replay:
     def _apply_events(self, replica: ReplicaName, events: Sequence[KvEvent]) -> None:
         """Events in order, consecutive stores batched into one index call."""
         key_of = self.catalog.keys_by_hash.get
-        index = self.index
+        index: IndexWriter = self.index
         hashes: list[EngineBlockHash] = []
         keys: list[BlockKey] = []
         for event in events:

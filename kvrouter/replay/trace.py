@@ -5,24 +5,21 @@ Mooncake rows: `timestamp` (ms from the trace start), `input_length`, `output_le
 blocks are 32 tokens, and ids are *not* chained (the same id shows up at different positions), so both formats
 are chained here the same way: a block's chain id names the whole prefix up to and including it. The format is
 told apart by the timestamp's type and size; `block_tokens` overrides the block size. `speedup` divides the
-arrival times.
+arrival times. The lines are read by `kvrouter.traces.read_rows`, the one trace reader (errors name file and line).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvrouter.traces import TraceError, read_rows
 
 MOONCAKE_BLOCK_TOKENS = 512
 GMI_BLOCK_TOKENS = 32
 _NS_THRESHOLD = 10**15
 """A timestamp this large is Unix nanoseconds, not milliseconds from the trace start."""
-
-
-class TraceError(Exception):
-    """A trace line cannot be read; the message names the file and line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,29 +42,6 @@ class Trace:
     source: str
 
 
-def _rows(path: Path) -> Iterator[tuple[int, dict[str, object]]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise TraceError(f"{path}:{number + 1}: not JSON: {error.msg}") from None
-            if not isinstance(row, dict):
-                raise TraceError(f"{path}:{number + 1}: expected a JSON object")
-            yield number, row
-
-
-def _int_field(path: Path, number: int, row: dict[str, object], name: str) -> int:
-    value = row.get(name)
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise TraceError(f"{path}:{number + 1}: field {name!r} must be a non-negative integer")
-    return value
-
-
 def load_trace(
     path: str | Path, *, speedup: float = 1.0, block_tokens: int | None = None, limit: int | None = None
 ) -> Trace:
@@ -79,19 +53,14 @@ def load_trace(
     requests: list[TraceRequest] = []
     first_stamp: int | None = None
     nanoseconds = False
-    for number, row in _rows(source):
-        if limit is not None and len(requests) >= limit:
-            break
-        stamp = _int_field(source, number, row, "timestamp")
+    for row in itertools.islice(read_rows(source), limit):
+        stamp = row.timestamp
         if first_stamp is None:
             first_stamp = stamp
-            nanoseconds = isinstance(row.get("timestamp"), str) or stamp >= _NS_THRESHOLD
-        ids = row.get("hash_ids")
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise TraceError(f"{source}:{number + 1}: field 'hash_ids' must be a list of integers")
+            nanoseconds = row.timestamp_is_text or stamp >= _NS_THRESHOLD
         parent = -1
         chain = []
-        for block_id in ids:
+        for block_id in row.hash_ids:
             link = (parent, block_id)
             chained = chain_ids.get(link)
             if chained is None:
@@ -104,8 +73,8 @@ def load_trace(
             TraceRequest(
                 index=len(requests),
                 arrival=seconds / speedup,
-                input_length=_int_field(source, number, row, "input_length"),
-                output_length=max(1, _int_field(source, number, row, "output_length")),
+                input_length=row.input_length,
+                output_length=max(1, row.output_length),
                 chain=tuple(chain),
             )
         )
@@ -113,3 +82,6 @@ def load_trace(
         block_tokens = GMI_BLOCK_TOKENS if nanoseconds else MOONCAKE_BLOCK_TOKENS
     requests.sort(key=lambda request: request.arrival)
     return Trace(tuple(requests), block_tokens, str(source))
+
+
+__all__ = ["GMI_BLOCK_TOKENS", "MOONCAKE_BLOCK_TOKENS", "Trace", "TraceError", "TraceRequest", "load_trace"]

@@ -7,7 +7,7 @@ prober and the engine /metrics scraper. They live in `cleanup_ctx`, so they star
 when it shuts down. Shared objects are reachable through typed `web.AppKey`s.
 
 `build_prefix_parts` is the one place where the prefix index, the tokenizer, the learning overlays
-(`kvrouter.overlays`: kv_feedback, kv_survival) and their background work (KV-event ingest, which tells the
+(`kvrouter.routing.overlays`: kv_feedback, kv_survival) and their background work (KV-event ingest, which tells the
 overlays what it applies) are made; without them the router routes on load alone. A replica whose cache is gone
 (it refused a connection, or left the fleet) is cleared from the index and from every overlay (`forget_replica`).
 
@@ -28,22 +28,23 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from kvrouter.admin.control import install_admin
 from kvrouter.blocks import native_block_keys
-from kvrouter.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
 from kvrouter.config import ConfigError, FleetConfig, Settings
 from kvrouter.events.embedded import EmbeddedEvents
-from kvrouter.fleet_control import install_admin
 from kvrouter.index import PrefixIndex
-from kvrouter.lifecycle import EventListener, RequestListener, tell_cleared
-from kvrouter.load import LoadBook
+from kvrouter.index_writer import CountingIndexWriter
 from kvrouter.metrics import RouterMetrics
-from kvrouter.overlays import overlays_from_settings
 from kvrouter.policies import build_policy
-from kvrouter.proxy import Proxy
 from kvrouter.redisplane.wiring import build_follower
-from kvrouter.replicas import ReplicaSet
-from kvrouter.routing import PrefixLookup, PromptTokenizer, Router
-from kvrouter.status import EVENT_STREAMS
+from kvrouter.routing.lifecycle import EventListener, RequestListener, tell_cleared
+from kvrouter.routing.load import LoadBook
+from kvrouter.routing.overlays import overlays_from_settings
+from kvrouter.routing.router import PrefixLookup, PromptTokenizer, Router
+from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
+from kvrouter.server.proxy import Proxy
+from kvrouter.server.replicas import ReplicaSet
+from kvrouter.server.status import EVENT_STREAMS
 from kvrouter.tokenization import HfPromptTokenizer
 from kvrouter.typedefs import ReplicaName
 
@@ -208,7 +209,7 @@ def create_app(
 
 
 def forget_replica(
-    index: PrefixIndex | None, listeners: Sequence[EventListener], clock: Callable[[], float]
+    index: CountingIndexWriter | None, listeners: Sequence[EventListener], clock: Callable[[], float]
 ) -> Callable[[ReplicaName], None]:
     """A replica's cache is gone (it refused a connection: its engine is down; or it left the fleet): its blocks
     leave the index and every overlay forgets what it learnt about it."""

@@ -5,9 +5,9 @@
 the engine's cached-token rule, reads each replica's load from the `LoadBook` and lets the policy choose — with
 no side effects, so `/debug/route` can call it; `Router.commit` acts on a decision: the policy's state moves,
 the request's blocks become provisional entries on the chosen replica, the load book gets a ticket, and the
-caller gets a `Routed` handle (`kvrouter.lifecycle`) that carries the rest of the request's life — first token,
+caller gets a `Routed` handle (`kvrouter.routing.lifecycle`) that carries the rest of the request's life — first token,
 the engine's cached-token report, finish — to the load book, the policy and the request listeners (the learning
-overlays built by `kvrouter.overlays`). The clock is a parameter (`time.monotonic` live, the virtual clock in
+overlays built by `kvrouter.routing.overlays`). The clock is a parameter (`time.monotonic` live, the virtual clock in
 replay).
 """
 
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvrouter.blocks import cacheable_tokens, chain_keys
-from kvrouter.lifecycle import RequestListener, Routed
-from kvrouter.load import LoadBook
 from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
+from kvrouter.routing.lifecycle import RequestListener, Routed
+from kvrouter.routing.load import LoadBook
 from kvrouter.typedefs import BlockKey, ReplicaName, Tier
 
 

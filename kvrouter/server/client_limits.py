@@ -11,7 +11,7 @@ others or blows its memory.
   runs — so a slow body never holds one of the proxy's concurrency slots — under a deadline that grows with what
   arrived: `client_body_timeout_s + received / client_body_min_bytes_per_s`; past it the client gets 408 and the
   connection is closed. A body larger than `max_body_bytes` is a 413, after inflation too: gzip and deflate bodies
-  are inflated here (kvrouter/body_encoding.py), 256 KiB of output at a time with the event loop given back in
+  are inflated here (kvrouter/server/body_encoding.py), 256 KiB of output at a time with the event loop given back in
   between, and reading stops at the cap, so a bomb costs at most the cap and never stalls other requests; other
   encodings are a 415. All bodies being read at once may buffer `client_body_buffer_bytes` together (429 beyond).
   An inflated body reaches the handler without its Content-Encoding header: what is forwarded is the inflated
@@ -38,10 +38,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvrouter.body_encoding import SUPPORTED, BadEncoding, Inflater
 from kvrouter.config import Settings
 from kvrouter.metrics import RouterMetrics
-from kvrouter.streaming import REQUEST_ID_HEADER
+from kvrouter.server.body_encoding import SUPPORTED, BadEncoding, Inflater
+from kvrouter.server.streaming import REQUEST_ID_HEADER
 from kvrouter.tokenization import PromptLimits
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class ClientEdge:
     def handler_args(self) -> dict[str, Any]:
         """aiohttp's per-connection settings: the idle timer and header size bounds."""
         # auto_decompress off: aiohttp would inflate inside its read callback, in one call per read (see
-        # kvrouter/body_encoding.py); the middleware inflates in slices instead.
+        # kvrouter/server/body_encoding.py); the middleware inflates in slices instead.
         return {
             "keepalive_timeout": self.limits.idle_timeout_s,
             "max_field_size": 65536,

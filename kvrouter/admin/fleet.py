@@ -6,11 +6,11 @@ fields (tokenizer, block_size, hash_seed, lora_adapters) change every block key,
 refused (`ReloadRefused`): restart instead.
 
 `FleetAdmin` holds the loaded fleet and the drain flags and applies plans through `FleetHooks`, which the app
-factory implements over its replica set, load book, index and event sources (`kvrouter.fleet_control`). Reloads
+factory implements over its replica set, load book, index and event sources (`kvrouter.admin.control`). Reloads
 are serialised. Removed replicas take no new requests at once; their in-flight requests finish on the objects
-they already hold. Drain flags survive a reload. With a `SharedState` (Redis, `kvrouter.admin_shared`) every
+they already hold. Drain flags survive a reload. With a `SharedState` (Redis, `kvrouter.admin.shared`) every
 drain, undrain and reload is also published, and `run_sync` polls what other instances published, so one call
-reaches every router instance within a poll interval; the HTTP shell is `kvrouter.admin`.
+reaches every router instance within a poll interval; the HTTP shell is `kvrouter.admin.api`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvrouter.admin_shared import RELOAD_CATCH_UP_S, SharedView, file_digest
+from kvrouter.admin.shared import RELOAD_CATCH_UP_S, SharedView, file_digest
 from kvrouter.config import ConfigError, FleetConfig, ReplicaConfig, load_fleet
 from kvrouter.typedefs import ReplicaName
 
@@ -145,7 +145,7 @@ class AdminMetrics:
 
 
 class SharedState(Protocol):
-    """Drain flags and reloads shared by all router instances (`kvrouter.admin_shared`); never raises."""
+    """Drain flags and reloads shared by all router instances (`kvrouter.admin.shared`); never raises."""
 
     async def set_draining(self, replica: str, draining: bool) -> bool: ...
 

@@ -15,12 +15,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrouter.openai_request import Endpoint, RequestError, parse_request
-from kvrouter.streaming import BodyTooLarge, read_capped
+from kvrouter.server.streaming import BodyTooLarge, read_capped
 from kvrouter.typedefs import ReplicaName
 
 if TYPE_CHECKING:
-    from kvrouter.proxy import Proxy
-    from kvrouter.replicas import ReplicaState
+    from kvrouter.config import Settings
+    from kvrouter.metrics import RouterMetrics
+    from kvrouter.routing.load import LoadBook
+    from kvrouter.routing.router import Router
+    from kvrouter.server.replicas import ReplicaSet, ReplicaState
 
 _CANDIDATE_FIELDS = frozenset({"replica", "cached_tokens", "score"})
 
@@ -35,12 +38,31 @@ EVENT_STREAMS = web.AppKey("kvrouter_event_streams", EventStreams)
 """Set by the app factory when this process follows KV events itself (embedded mode)."""
 
 
+class StatusHost(Protocol):
+    """What these endpoints need of the request path (the proxy provides it; status never imports the proxy)."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def router(self) -> Router: ...
+    @property
+    def replicas(self) -> ReplicaSet: ...
+    @property
+    def load(self) -> LoadBook: ...
+    @property
+    def metrics(self) -> RouterMetrics: ...
+    def check_client(self, request: web.Request) -> None: ...
+    def check_admin(self, request: web.Request) -> None: ...
+    def client_session(self) -> aiohttp.ClientSession: ...
+    async def read_body(self, request: web.Request) -> bytes: ...
+
+
 def _error(error: RequestError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
 
 
 class StatusEndpoints:
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: StatusHost) -> None:
         self.proxy = proxy
 
     async def models(self, request: web.Request) -> web.Response:

@@ -15,7 +15,7 @@ The learning overlays are fed through two small protocols, never by looking at t
 hears the four steps above; an `EventListener` hears what the KV-event path applied (blocks stored, blocks
 removed, a replica cleared — an engine restart or reset, or a replica gone from the fleet). The event path (the
 embedded ZMQ ingest, the Redis follower, the replay's engine events) calls them after the index; the overlays are
-built in one place (`kvrouter.overlays.build_overlays`). Pure and synchronous; `now` is the caller's clock.
+built in one place (`kvrouter.routing.overlays.build_overlays`). Pure and synchronous; `now` is the caller's clock.
 
 Not exact yet: a non-streaming answer comes whole at the end (vLLM sends nothing before), so live its
 `first_token` is reported only then and its prompt counts as pending prefill for its whole decode (measured: 1.65 s
@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvrouter.load import LoadBook, Ticket
 from kvrouter.policies.base import Decision, Policy
+from kvrouter.routing.load import LoadBook, Ticket
 from kvrouter.typedefs import BlockKey, ReplicaName
 
 

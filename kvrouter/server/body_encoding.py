@@ -3,7 +3,7 @@
 aiohttp's parser inflates a body as its bytes arrive, inside the event loop's read callback: a 64 KiB read of a
 gzip bomb becomes tens of megabytes of output in one call, stalling every other request for tens of milliseconds
 per read (measured with loadtest/attack_soak.py: a bomb every 0.3 s raised honest TTFT p99 2.6x). The server runs
-with `auto_decompress=False` and the edge middleware (kvrouter/client_limits.py) feeds the compressed bytes to an
+with `auto_decompress=False` and the edge middleware (kvrouter/server/client_limits.py) feeds the compressed bytes to an
 `Inflater`, which yields at most `slice_bytes` of output per step, so the middleware can give the loop back
 between steps and stop at the body cap before inflating more than it allows.
 

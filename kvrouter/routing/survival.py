@@ -13,7 +13,7 @@ A lookup then trims each replica's match to the blocks whose age + the expected 
 pending prefill tokens / `prefill_tokens_per_s`, from the `LoadBook`) stays under `margin` x its eviction age.
 Blocks of one prompt are touched together and a shared head is touched more often than its tail, so ages grow
 with depth and a binary search finds the cut. Pure and synchronous; the clock is the caller's `now`. It is an
-`EventListener` (`kvrouter.lifecycle`): the event path, live or in replay, tells it every store and removal in
+`EventListener` (`kvrouter.routing.lifecycle`): the event path, live or in replay, tells it every store and removal in
 the router's keys, and `on_cleared` forgets a replica whose cache is gone.
 
 Off by default (`kv_survival`): on the Mooncake trace it cut credit that was right and raised TTFT p99 (+9.7% at
@@ -30,8 +30,8 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvrouter.load import LoadBook
-from kvrouter.routing import PrefixLookup, PrefixMatch
+from kvrouter.routing.load import LoadBook
+from kvrouter.routing.router import PrefixLookup, PrefixMatch
 from kvrouter.typedefs import BlockKey, ReplicaName
 
 

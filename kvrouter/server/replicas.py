@@ -46,10 +46,10 @@ from dataclasses import dataclass
 import aiohttp
 
 from kvrouter.config import FleetConfig, ReplicaConfig, Settings
-from kvrouter.load import EngineGauges, LoadBook
 from kvrouter.metrics import RouterMetrics
-from kvrouter.routing import Route
-from kvrouter.streaming import BodyTooLarge, read_capped
+from kvrouter.routing.load import EngineGauges, LoadBook
+from kvrouter.routing.router import Route
+from kvrouter.server.streaming import BodyTooLarge, read_capped
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class ReplicaSet:
         self._breaker = breaker
         self._clock = clock
         self.draining: set[ReplicaName] = set()
-        """Drained by an operator (kvrouter.admin): healthy, but no new request goes there."""
+        """Drained by an operator (kvrouter.admin.api): healthy, but no new request goes there."""
         self.on_gone: Callable[[ReplicaName], None] | None = None
         """Called when a replica refuses a connection: nothing listens at its address, so its process and the
         KV cache it held are gone (the app drops the replica's prefix-index entries)."""

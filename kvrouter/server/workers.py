@@ -23,7 +23,7 @@ from types import FrameType
 
 from kvrouter.config import ConfigError, FleetConfig, Settings
 
-log = logging.getLogger("kvrouter.workers")
+log = logging.getLogger("kvrouter.server.workers")
 
 
 def check_workers(settings: Settings, fleet: FleetConfig) -> None:
@@ -42,14 +42,14 @@ def worker_main(settings: Settings, fleet: FleetConfig, number: int) -> int:
     """One worker: a complete router on the shared port."""
     import asyncio
 
-    from kvrouter.app import create_app
-    from kvrouter.serve import _loop_factory, serve
+    from kvrouter.server.app import create_app
+    from kvrouter.server.serving import loop_factory, serve
 
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[w{number}]: %(message)s"
     )
     app = create_app(settings, fleet)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(serve(app, settings, fleet))
 
 
@@ -73,7 +73,7 @@ class Supervisor:
         self.stopping = True
 
     def _reload_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Each worker re-reads replicas.yaml on SIGHUP (kvrouter.admin); the parent only passes it on.
+        # Each worker re-reads replicas.yaml on SIGHUP (kvrouter.admin.api); the parent only passes it on.
         for process in self.workers:
             if process is not None and process.pid is not None and process.is_alive():
                 os.kill(process.pid, signal.SIGHUP)

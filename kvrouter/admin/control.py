@@ -20,26 +20,21 @@ from typing import Protocol, runtime_checkable
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvrouter.admin import Readiness, replicas_routable, setup_admin
-from kvrouter.admin_shared import RedisAdminState
+from kvrouter.admin.api import Readiness, replicas_routable, setup_admin
+from kvrouter.admin.fleet import AdminMetrics, FleetAdmin
+from kvrouter.admin.shared import RedisAdminState
 from kvrouter.config import FleetConfig, ReplicaConfig
-from kvrouter.fleet_admin import AdminMetrics, FleetAdmin
-from kvrouter.load import LoadBook
+from kvrouter.index_writer import CountingIndexWriter
 from kvrouter.metrics import RouterMetrics
-from kvrouter.replicas import ReplicaSet
-from kvrouter.routing import Route
+from kvrouter.routing.load import LoadBook
+from kvrouter.routing.router import Route
+from kvrouter.server.replicas import ReplicaSet
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
 
 
 @runtime_checkable
-class IndexControl(Protocol):
-    def remove_replica(self, replica: ReplicaName) -> None: ...
-
-    def blocks_of(self, replica: ReplicaName) -> int: ...
-
-
 @runtime_checkable
 class ReadinessSource(Protocol):
     """An event source that needs time before the index is complete (Redis catch-up); `is_ready` says when."""
@@ -63,7 +58,7 @@ class AppFleetHooks:
         replicas: ReplicaSet,
         load: LoadBook,
         metrics: RouterMetrics,
-        index: object | None = None,
+        index: CountingIndexWriter | None = None,
         events: object | None = None,
         forget: Callable[[ReplicaName], None] | None = None,
     ) -> None:
@@ -71,7 +66,7 @@ class AppFleetHooks:
         self.forget = forget
         self.load = load
         self.metrics = metrics
-        self.index = index if isinstance(index, IndexControl) else None
+        self.index = index
         self.events = events if isinstance(events, EventFollower) else None
 
     def describe_replicas(self) -> list[dict[str, object]]:
@@ -113,7 +108,7 @@ class AppFleetHooks:
         if self.events is not None:
             await self.events.unfollow(name)
         if self.index is not None:
-            self.index.remove_replica(name)
+            self.index.clear(name)
         if self.forget is not None:
             self.forget(name)  # the learning overlays forget it too
         self.load.forget(name)
@@ -138,7 +133,7 @@ def install_admin(
     load: LoadBook,
     metrics: RouterMetrics,
     registry: CollectorRegistry,
-    index: object | None = None,
+    index: CountingIndexWriter | None = None,
     events: object | None = None,
     redis_url: str | None = None,
     forget: Callable[[ReplicaName], None] | None = None,

@@ -3,10 +3,10 @@
 A completion request is read (size-capped), parsed once (`parse_request`), turned into routing facts, and sent
 to the replica the policy picks. Connect failures, stalls, redirects, 5xx and 429 answers are retried on another
 replica — only while nothing has been written to the client; which of those count against the replica's breaker
-is decided in `kvrouter.replicas` (a 5xx that a second replica repeats is the request's, not theirs). The answer
+is decided in `kvrouter.server.replicas` (a 5xx that a second replica repeats is the request's, not theirs). The answer
 is relayed as it arrives: SSE chunk by chunk (the first chunk is awaited before anything reaches the client, so a
 stream that never starts is retried too), JSON bodies whole and unchanged up to `max_upstream_body_bytes` (502
-past it). What follows the decision is the router's (`kvrouter.lifecycle`): `Router.commit` returns a `Routed`
+past it). What follows the decision is the router's (`kvrouter.routing.lifecycle`): `Router.commit` returns a `Routed`
 handle and the proxy reports only what it sees on it — `first_token` at the first body chunk, `served` with the
 cached tokens the engine's usage reports, `finish` on every path out — and the load book, the policy (kv_tune)
 and the learning overlays (kv_feedback) hear it from there. A client that disconnects cancels its handler (the
@@ -43,14 +43,14 @@ from aiohttp.typedefs import Handler
 from multidict import CIMultiDict
 
 from kvrouter.config import Settings
-from kvrouter.lifecycle import Routed
-from kvrouter.load import LoadBook, Ticket
 from kvrouter.metrics import RouterMetrics
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
-from kvrouter.replicas import ReplicaSet, ReplicaState
-from kvrouter.routing import Router, RoutingFacts
-from kvrouter.status import StatusEndpoints
-from kvrouter.streaming import (
+from kvrouter.routing.lifecycle import Routed
+from kvrouter.routing.load import LoadBook, Ticket
+from kvrouter.routing.router import Router, RoutingFacts
+from kvrouter.server.replicas import ReplicaSet, ReplicaState
+from kvrouter.server.status import StatusEndpoints
+from kvrouter.server.streaming import (
     REDIRECTS,
     REQUEST_ID_HEADER,
     BodyTooLarge,

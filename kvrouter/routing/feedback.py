@@ -13,7 +13,7 @@ chose and corrects two things:
   only); a replica's matched blocks are scaled by its trust (never below `min_trust`), so a replica whose events
   keep overstating its cache loses credit until it behaves.
 
-It hears both sides through the lifecycle's protocols (`kvrouter.lifecycle`), live and in replay alike: as a
+It hears both sides through the lifecycle's protocols (`kvrouter.routing.lifecycle`), live and in replay alike: as a
 `RequestListener`, `on_served` brings each request's reported cached tokens with the handle's replica, keys and
 prediction; as an `EventListener`, every store the event path applies reaches `on_stored` and a replica whose
 cache is gone (engine restart, reset, replica removed or unreachable) reaches `on_cleared`, which forgets what
@@ -34,8 +34,8 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvrouter.lifecycle import Routed
-from kvrouter.routing import PrefixLookup, PrefixMatch
+from kvrouter.routing.lifecycle import Routed
+from kvrouter.routing.router import PrefixLookup, PrefixMatch
 from kvrouter.typedefs import BlockKey, ReplicaName
 
 

@@ -11,7 +11,7 @@ answer 403: a router is never steerable by accident):
 * ``POST /admin/reload`` — re-read replicas.yaml and apply it live; SIGHUP does the same.
 
 With Redis (``KVROUTER_REDIS_URL``) drains, undrains and reloads reach every router instance
-(`kvrouter.admin_shared`); the answers say whether the change was shared. Without it they act on this instance.
+(`kvrouter.admin.shared`); the answers say whether the change was shared. Without it they act on this instance.
 The work itself is `kvrouter.fleet_admin.FleetAdmin`.
 
 And, open because kubelets and load balancers call them: ``GET /ready`` — 200 once every readiness check passes
@@ -34,8 +34,8 @@ from typing import Protocol
 
 from aiohttp import web
 
+from kvrouter.admin.fleet import FleetAdmin, ReloadRefused
 from kvrouter.config import ConfigError
-from kvrouter.fleet_admin import FleetAdmin, ReloadRefused
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)

@@ -2,11 +2,11 @@
 
 `build_overlays` wraps the prefix index in what the settings ask for and says who must hear what:
 
-- `kv_survival`: `SurvivalLookup` (kvrouter/survival.py) trims matches to blocks likely to survive the wait; it
+- `kv_survival`: `SurvivalLookup` (kvrouter/routing/survival.py) trims matches to blocks likely to survive the wait; it
   reads the `LoadBook` and hears the event path (stores, removals, clears).
-- `kv_feedback`: `FeedbackLookup` (kvrouter/feedback.py), outermost, corrects matches with the engines' reported
+- `kv_feedback`: `FeedbackLookup` (kvrouter/routing/feedback.py), outermost, corrects matches with the engines' reported
   cache hits; it hears each request's `served` report and the event path (stores, clears).
-- `kv_tune` lives in the kv_aware policy (kvrouter/tuning.py); the lifecycle hands it every first token through
+- `kv_tune` lives in the kv_aware policy (kvrouter/routing/tuning.py); the lifecycle hands it every first token through
   `Policy.first_token`, so it needs nothing here.
 
 The caller hands `lookup` to the `Router`, `request_listeners` to the `Router` too, and `event_listeners` to its
@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvrouter.config import Settings
-from kvrouter.feedback import FeedbackLookup
-from kvrouter.lifecycle import EventListener, RequestListener
-from kvrouter.load import LoadBook
-from kvrouter.routing import PrefixLookup
-from kvrouter.survival import SurvivalConfig, SurvivalLookup
+from kvrouter.routing.feedback import FeedbackLookup
+from kvrouter.routing.lifecycle import EventListener, RequestListener
+from kvrouter.routing.load import LoadBook
+from kvrouter.routing.router import PrefixLookup
+from kvrouter.routing.survival import SurvivalConfig, SurvivalLookup
 
 
 @dataclass(slots=True)
