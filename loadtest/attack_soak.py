@@ -54,24 +54,11 @@ import zmq.asyncio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from soak import WORDS, rss_mb  # noqa: E402  (loadtest/soak.py: the same words and the same RSS reading)
+
 from kvrouter.loadgen.fleet import free_port_range, start_kvrouter, start_sim  # noqa: E402
 
-_TEXT = (
-    "kvrouter routes each request to the replica that already holds its prompt prefix in cache while "
-    "weighing queue depth prefill tokens and decode load across the fleet of engines"
-)
-WORDS = tuple(_TEXT.split())
 HOSTILE = "hostile"
-
-
-def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -12,6 +12,7 @@ URL becomes ``rediss://...?ssl_ca_certs=<ca>&ssl_cert_reqs=required``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -195,23 +197,27 @@ class RedisServer:
         self.process = None
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    """A redis-server without persistence: a restart comes back empty."""
-    server = RedisServer(tmp_path / "redis", persistent=False)
+@contextlib.contextmanager
+def running_redis(directory: Path, **options: Any) -> Iterator[RedisServer]:
+    """A started `RedisServer(directory, **options)`, killed on the way out (the fixtures below and tests that
+    need another kind: a password, TLS)."""
+    server = RedisServer(directory, **options)
     server.start()
     try:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server without persistence: a restart comes back empty."""
+    with running_redis(tmp_path / "redis", persistent=False) as server:
+        yield server
 
 
 @pytest.fixture
 def redis_server_persistent(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server with an fsync-always append-only file: a restart comes back with every write."""
-    server = RedisServer(tmp_path / "redis-aof", persistent=True)
-    server.start()
-    try:
+    with running_redis(tmp_path / "redis-aof", persistent=True) as server:
         yield server
-    finally:
-        server.kill()

@@ -35,7 +35,7 @@ from tests.deploy_support import (
     load_compose,
     services_in,
 )
-from tests.redis_fixtures import RedisServer, free_port
+from tests.redis_fixtures import RedisServer, free_port, running_redis
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -148,12 +148,8 @@ def wait_for(url: str, stack: Stack, timeout_s: float = 90.0) -> None:
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """Like the compose file's Redis: it requires a password (REDIS_PASSWORD)."""
-    server = RedisServer(tmp_path / "redis", password=COMPOSE_TEST_PASSWORD)
-    server.start()
-    try:
+    with running_redis(tmp_path / "redis", password=COMPOSE_TEST_PASSWORD) as server:
         yield server
-    finally:
-        server.kill()
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from kvrouter.relay import Relay
 from kvrouter.server.app import ROUTER, create_app
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import eventually, router_settings
-from tests.redis_fixtures import RedisServer, make_tls
+from tests.redis_fixtures import RedisServer, make_tls, running_redis
 from tests.redis_plane_support import SyntheticEngine, TwoReplicaPlane, synthetic_fleet
 
 pytestmark = pytest.mark.redis
@@ -36,22 +36,14 @@ SYN = ReplicaName("syn")
 
 @pytest.fixture
 def locked_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis", password=PASSWORD)
-    server.start()
-    try:
+    with running_redis(tmp_path / "redis", password=PASSWORD) as server:
         yield server
-    finally:
-        server.kill()
 
 
 @pytest.fixture
 def tls_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis-tls", password=PASSWORD, tls=make_tls(tmp_path / "tls"))
-    server.start()
-    try:
+    with running_redis(tmp_path / "redis-tls", password=PASSWORD, tls=make_tls(tmp_path / "tls")) as server:
         yield server
-    finally:
-        server.kill()
 
 
 async def fill(url: str) -> Relay:
