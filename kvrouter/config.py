@@ -344,6 +344,16 @@ class Settings(BaseSettings):
             "progress on any request; past it the attempt is retried elsewhere and the replica is marked stalled."
         ),
     )
+    assemble_non_streaming: bool = Field(
+        default=True,
+        description=(
+            "Ask replicas for a stream when a client sends a non-streaming request of the common shape (one "
+            "choice, no logprobs, tools or echo) and assemble the JSON answer the replica would have sent, so the "
+            "router sees the first token and stops counting the prompt as pending prefill (exact accounting). The "
+            "answer's layout is learned from one whole answer per replica. Off: requests are forwarded unchanged "
+            "and their prompt counts as pending prefill until the whole answer arrives."
+        ),
+    )
     max_upstream_body_bytes: int = Field(
         default=64 * 1024 * 1024, ge=1024, description="Largest non-streaming answer read from a replica (else 502)."
     )

@@ -151,7 +151,8 @@ class RouterMetrics:
         self.upstream_rejections = Counter(
             "kvrouter_upstream_rejections",
             "Replica answers or probes refused or re-attributed, by replica and reason (redirect, stalled, "
-            "body_too_large, error_body_too_large, scrape_too_large, probe_too_large, request_5xx).",
+            "body_too_large, error_body_too_large, scrape_too_large, probe_too_large, request_5xx, bad_stream, "
+            "encoded_stream).",
             ["replica", "reason"],
             registry=registry,
         )
@@ -168,6 +169,24 @@ class RouterMetrics:
         self.client_connections = Gauge(
             "kvrouter_client_connections",
             "Open client connections (capped by max_client_connections).",
+            registry=registry,
+        )
+        # Non-streaming answers (kvrouter/server/assembly.py): fetched as streams so the first token is seen.
+        self.non_streaming = Counter(
+            "kvrouter_non_streaming_requests",
+            "Attempts of non-streaming completion requests by replica and how the answer was fetched: assembled "
+            "(streamed upstream, exact first-token accounting) or whole, because of learning (the replica's answer "
+            "layout is being learned), request_shape (fields a stream cannot reproduce: n > 1, logprobs, tools, "
+            "...), replica_layout (the replica's answers cannot be assembled) or disabled (assemble_non_streaming "
+            "off).",
+            ["replica", "reason"],
+            registry=registry,
+        )
+        self.assembly_mismatches = Counter(
+            "kvrouter_answer_assembly_mismatches",
+            "Assembled answers whose stream carried a field the replica's learned layout cannot hold; the layout "
+            "is relearned.",
+            ["replica"],
             registry=registry,
         )
         self.events = EventMetrics(registry)

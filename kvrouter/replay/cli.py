@@ -64,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE", help="Override a setting."
     )
+    parser.add_argument(
+        "--whole-answers",
+        action="store_true",
+        help="The router sees first tokens only when answers end (non-streaming, assemble_non_streaming off).",
+    )
     parser.add_argument("--json", action="store_true", help="Print report.json's rows instead of the table.")
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="Policies replayed at once (forked processes)."
@@ -152,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         replicate=args.replicate,
         drain_at_s=args.drain_at,
         drain_warm=args.drain_warm,
+        whole_answers=args.whole_answers,
     )
     floors = None if args.no_floor else floor_ttfts(trace.requests, prompts, engine_factory)
 

@@ -67,6 +67,9 @@ class ReplayOptions:
     replicate: bool = False
     drain_at_s: float | None = None
     drain_warm: int = 0
+    whole_answers: bool = False
+    """The router hears each first token only when the answer ends (live: non-streaming requests with
+    `assemble_non_streaming` off); the records keep the engine's real first-token time."""
 
 
 @dataclass(slots=True)
@@ -298,7 +301,8 @@ class Replay:
             if routed is None:
                 self.load.first_token(self._warm_tickets[request_id])
                 continue
-            routed.first_token(now)
+            if not self.options.whole_answers:
+                routed.first_token(now)
             records[request_id].first_token = now
         for request_id, cached in result.cached_tokens.items():
             record = records.get(request_id)
@@ -316,6 +320,7 @@ class Replay:
                 self.load.finish(self._warm_tickets.pop(request_id))
                 continue
             # The live proxy reads the usage at the end of the answer, just before the request finishes.
+            routed.first_token(now)  # a no-op unless whole answers hid the first token until now
             routed.served(self._reported.pop(request_id, None), now)
             routed.finish(now)
             records[request_id].finish = now

@@ -17,10 +17,12 @@ removed, a replica cleared — an engine restart or reset, or a replica gone fro
 embedded ZMQ ingest, the Redis follower, the replay's engine events) calls them after the index; the overlays are
 built in one place (`kvrouter.routing.overlays.build_overlays`). Pure and synchronous; `now` is the caller's clock.
 
-Not exact yet: a non-streaming answer comes whole at the end (vLLM sends nothing before), so live its
-`first_token` is reported only then and its prompt counts as pending prefill for its whole decode (measured: 1.65 s
-of a 1.71 s request against 0.19 s when streamed). Exact accounting would stream upstream and assemble vLLM's
-JSON answer; not done.
+Non-streaming requests are exact too: vLLM sends such an answer whole at the end, so the proxy fetches it as a
+stream and assembles the JSON the replica would have sent (`kvrouter.server.assembly`), and reports `first_token`
+at the stream's first chunk. Only requests whose answer a stream cannot reproduce (n > 1, logprobs, tools, ...),
+the first one per replica (which teaches the router the replica's answer layout) and all of them with
+`assemble_non_streaming` off are reported at the answer's end (`kvrouter replay --whole-answers` shows what that
+costs kv_aware).
 """
 
 from __future__ import annotations

@@ -1,17 +1,19 @@
 """Request handlers and the relay: the async shell around `Router`.
 
-A completion request is read (size-capped), parsed once (`parse_request`), turned into routing facts, and sent
-to the replica the policy picks. Connect failures, stalls, redirects, 5xx and 429 answers are retried on another
-replica — only while nothing has been written to the client; which of those count against the replica's breaker
-is decided in `kvrouter.server.replicas` (a 5xx that a second replica repeats is the request's, not theirs). The answer
+A completion request is read (size-capped), parsed once (`parse_request`), turned into routing facts, and sent to
+the replica the policy picks. Connect failures, stalls, redirects, 5xx and 429 answers are retried on another
+replica — only while nothing has been written to the client; which of those count against the replica's breaker is
+decided in `kvrouter.server.replicas` (a 5xx that a second replica repeats is the request's, not theirs). The answer
 is relayed as it arrives: SSE chunk by chunk (the first chunk is awaited before anything reaches the client, so a
-stream that never starts is retried too), JSON bodies whole and unchanged up to `max_upstream_body_bytes` (502
-past it). What follows the decision is the router's (`kvrouter.routing.lifecycle`): `Router.commit` returns a `Routed`
-handle and the proxy reports only what it sees on it — `first_token` at the first body chunk, `served` with the
-cached tokens the engine's usage reports, `finish` on every path out — and the load book, the policy (kv_tune)
-and the learning overlays (kv_feedback) hear it from there. A client that disconnects cancels its handler (the
-server runs with handler cancellation), which closes the upstream connection at once so the engine stops
-generating.
+stream that never starts is retried too), JSON bodies whole and unchanged up to `max_upstream_body_bytes` (502 past
+it). A non-streaming request of the common shape is fetched as a stream and its JSON answer assembled as the replica
+would have sent it (`kvrouter.server.assembly`, `assemble_non_streaming`), so its first token is seen when the
+engine produces it. What follows the decision is the router's (`kvrouter.routing.lifecycle`): `Router.commit`
+returns a `Routed` handle and the proxy reports only what it sees on it — `first_token` at the first body chunk,
+`served` with the cached tokens the engine's usage reports, `finish` on every path out — and the load book, the
+policy (kv_tune) and the learning overlays (kv_feedback) hear it from there. A client that disconnects cancels its
+handler (the server runs with handler cancellation), which closes the upstream connection at once so the engine
+stops generating.
 
 Hostile input stops at the edge: a request target that is not origin-form (`OPTIONS *`, `GET http://host/x`)
 gets a 400 before any replica is involved, and nothing that fails while building an upstream request is charged
@@ -48,6 +50,15 @@ from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse
 from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.load import LoadBook, Ticket
 from kvrouter.routing.router import Router, RoutingFacts
+from kvrouter.server.assembly import (
+    AnswerFetch,
+    AnswerLayouts,
+    Plan,
+    StreamedAnswer,
+    StreamError,
+    assemblable,
+    assemble,
+)
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
 from kvrouter.server.status import StatusEndpoints
 from kvrouter.server.streaming import (
@@ -140,6 +151,8 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.active = 0
         self.passthrough_paths = PathAllowList(settings.passthrough_paths)
+        self.layouts = AnswerLayouts(clock)
+        """Per replica, the learned shape of its non-streaming answers (kvrouter.server.assembly)."""
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -262,10 +275,11 @@ class Proxy:
                 body = f" body {raw[:1000]!r}" if self.settings.log_prompts else ""
                 log.debug("request %s -> %s, predicted cached %d%s", request_id, replica.name, predicted, body)
             tried.append(replica.name)
+            answer = self._answer_plan(parsed, replica)
             replica.begin_attempt()
             try:
                 outcome = await self._forward(
-                    request, raw, route, replica, routed, request_id, start, stream=parsed.stream
+                    request, raw, route, replica, routed, request_id, start, stream=parsed.stream, answer=answer
                 )
             finally:
                 replica.end_attempt()
@@ -288,6 +302,18 @@ class Proxy:
         self.metrics.requests.labels("none", route, "503").inc()
         unavailable = RequestError(message, status=503, code="no_replica_available", type_="server_error")
         return error_response(unavailable, request_id)
+
+    def _answer_plan(self, parsed: ParsedRequest, replica: ReplicaState) -> AnswerFetch | None:
+        """How a non-streaming request's answer is fetched from `replica` (None: a streaming request)."""
+        if parsed.stream:
+            return None
+        if not self.settings.assemble_non_streaming:
+            return AnswerFetch(parsed, Plan.WHOLE, None, "disabled")
+        if not assemblable(parsed):
+            return AnswerFetch(parsed, Plan.WHOLE, None, "request_shape")
+        plan, layout = self.layouts.plan(replica.name, parsed.endpoint)
+        reason = {Plan.LEARN: "learning", Plan.WHOLE: "replica_layout", Plan.ASSEMBLE: "assembled"}[plan]
+        return AnswerFetch(parsed, plan, layout, reason)
 
     def _settle_5xx(self, answered_5xx: list[tuple[ReplicaState, str]], *, answered_elsewhere: bool) -> None:
         """Charge a request's 5xx answers to their replicas only when they were the replicas' fault.
@@ -375,6 +401,7 @@ class Proxy:
         start: float,
         *,
         stream: bool = False,
+        answer: AnswerFetch | None = None,
     ) -> web.StreamResponse | Refused:
         headers = upstream_headers(
             request.headers,
@@ -382,9 +409,16 @@ class Proxy:
             request_id,
             forward_authorization=self.settings.forward_authorization,
         )
+        data = raw
+        if answer is not None:
+            self.metrics.non_streaming.labels(replica.name, answer.reason).inc()
+            if answer.plan is Plan.ASSEMBLE:
+                data = answer.streamed_body()
+                # The stream is parsed here: it must come as the replica writes it, not compressed for the client.
+                headers.popall("Accept-Encoding", None)
         session = self.client_session()
         try:
-            sent = session.post(replica.base_url + route, data=raw, headers=headers, allow_redirects=False)
+            sent = session.post(replica.base_url + route, data=data, headers=headers, allow_redirects=False)
             upstream = await self._until_first_byte(replica, sent)
         except Stalled as stall:
             self.replicas.record_stall(replica, str(stall))
@@ -392,6 +426,7 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError) as error:
             reason = f"{type(error).__name__}: {error}"
             self.replicas.record_failure(replica, reason, error)
+            self.layouts.forget(replica.name)
             return Refused(reason)
         try:
             replica.record_progress()
@@ -420,6 +455,10 @@ class Proxy:
                     return Refused(str(stall))
                 replica.record_success()
                 replica.record_progress()
+                if answer is not None and answer.layout is not None:
+                    return await self._assemble(
+                        upstream, first, out_headers, route, replica, routed, request_id, start, answer
+                    )
                 return await self._relay_stream(request, upstream, first, out_headers, route, replica, routed, start)
             replica.record_success()
             try:
@@ -440,6 +479,8 @@ class Proxy:
             routed.first_token(self.clock())
             if "content-encoding" not in upstream.headers:
                 self._observe_cached(replica, routed, cached_tokens_in_body(body))
+                if answer is not None and answer.plan is Plan.LEARN and status == 200:
+                    self._learn(replica, answer.parsed.endpoint, body)
             self.metrics.requests.labels(replica.name, route, str(status)).inc()
             self.metrics.timers(replica.name, route).duration.observe(self.clock() - start)
             return web.Response(status=status, body=body, headers=out_headers)
@@ -447,9 +488,94 @@ class Proxy:
             # The replica answered but the body broke before anything was sent on: still safe to retry.
             reason = f"{type(error).__name__}: {error}"
             self.replicas.record_failure(replica, reason)
+            self.layouts.forget(replica.name)
             return Refused(reason)
         finally:
             upstream.close()
+
+    def _learn(self, replica: ReplicaState, endpoint: Endpoint, body: bytes) -> None:
+        if self.layouts.learn(replica.name, endpoint, body) is None:
+            log.info(
+                "replica %s: its non-streaming %s answers cannot be assembled from a stream (fields beyond what a "
+                "stream carries, or JSON this router cannot reproduce); they stay whole",
+                replica.name,
+                endpoint,
+            )
+
+    async def _assemble(
+        self,
+        upstream: aiohttp.ClientResponse,
+        first: bytes,
+        headers: CIMultiDict[str],
+        route: str,
+        replica: ReplicaState,
+        routed: Routed,
+        request_id: str,
+        start: float,
+        fetch: AnswerFetch,
+    ) -> web.StreamResponse | Refused:
+        """A non-streaming request's answer, assembled from the stream the replica sends (kvrouter.server.assembly).
+
+        Nothing reaches the client before the stream ends, so a stream that breaks is retried elsewhere like a
+        whole answer that breaks."""
+        assert fetch.layout is not None
+        endpoint = fetch.parsed.endpoint
+        if "content-encoding" in upstream.headers:
+            self.layouts.refuse(replica.name, endpoint)
+            return self._bad_answer(replica, request_id, "encoded_stream", "compressed a stream it was not asked to")
+        now = self.clock()
+        routed.first_token(now)
+        timers = self.metrics.timers(replica.name, route)
+        timers.ttft.observe(now - start)
+        collected = StreamedAnswer(endpoint, self.settings.max_upstream_body_bytes)
+        chunk = first
+        try:
+            while chunk:
+                collected.feed(chunk)
+                chunk = await self._read_chunk(upstream)
+                replica.record_progress()
+            collected.close()
+            if not collected.done and collected.error is None:
+                raise StreamError("the stream ended before its [DONE] event")
+        except StreamError as error:
+            self.layouts.refuse(replica.name, endpoint)
+            return self._bad_answer(replica, request_id, "bad_stream", f"sent a broken stream: {error}")
+        if collected.error is not None:
+            status = collected.error_status
+            error_headers = CIMultiDict(headers)
+            error_headers["Content-Type"] = "application/json"
+            if status >= 500 or status == 429:
+                reason = f"answered {status} in its stream"
+                return Refused(reason, status, collected.error, error_headers, server_error=status >= 500)
+            self.metrics.requests.labels(replica.name, route, str(status)).inc()
+            return web.Response(status=status, body=collected.error, headers=error_headers)
+        if collected.too_large:
+            self.replicas.reject(replica, "body_too_large")
+            self.metrics.requests.labels(replica.name, route, "502").inc()
+            too_large = RequestError(
+                f"replica {replica.name} answered more than {self.settings.max_upstream_body_bytes} bytes "
+                "(max_upstream_body_bytes)",
+                status=502,
+                code="upstream_body_too_large",
+                type_="server_error",
+            )
+            return error_response(too_large, request_id)
+        body, unexpected = assemble(fetch.layout, collected)
+        if unexpected:
+            self.layouts.forget(replica.name)
+            self.metrics.assembly_mismatches.labels(replica.name).inc()
+            log.warning(
+                "replica %s: request %s's stream carried %s, which its learned answer layout cannot hold; the "
+                "layout is relearned",
+                replica.name,
+                request_id,
+                ", ".join(sorted(set(unexpected))),
+            )
+        self._observe_cached(replica, routed, collected.cached_tokens)
+        self.metrics.requests.labels(replica.name, route, "200").inc()
+        timers.duration.observe(self.clock() - start)
+        headers["Content-Type"] = "application/json"
+        return web.Response(status=200, body=body, headers=headers)
 
     async def _relay_stream(
         self,
