@@ -22,10 +22,10 @@ install)
     parts=${1:?}; shift; wheels=(); while [ "${1:-}" != "--" ]; do wheels+=("${1:?missing -- SITE}"); shift; done
     site=${2:?}; mkdir -p "$site"
     [ -f "$site/.vllm-ok" ] || { cat "$parts"/vllm.part.* | tar -xzf - -C "$site" && touch "$site/.vllm-ok"; }
-    for dir in "${wheels[@]}"; do
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-            "$dir"/*.whl 2>&1 | grep -v -e WARNING -e 'already exists' || true
-    done
+    # One pip call for every wheel: with --target, a second call would replace what the first put in SITE/bin.
+    files=(); for dir in "${wheels[@]}"; do files+=("$dir"/*.whl); done
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+        "${files[@]}" 2>&1 | grep -v WARNING || true
     PYTHONPATH=$site python3 -c "import vllm, locust, redis, pydantic_settings; print('vllm', vllm.__version__)" ;;
 up)
     model=${1:?}; work=${2:?}; gpus=${3:-0}; per_gpu=${4:-4}; kv_bytes=${5:-6G}; util=${6:-0.2}
