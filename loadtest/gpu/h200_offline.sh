@@ -7,6 +7,7 @@
 #   h200_offline.sh up MODEL_DIR WORK [GPUS=0] [PER_GPU=4] [KV_BYTES=6G] [UTILIZATION=0.2]
 #       starts deploy/gpu/vllm_fleet.py in a session of its own (it outlives this shell), dummy weights of
 #       MODEL_DIR's shape, and waits until WORK/replicas.yaml exists (every replica healthy) or the fleet died.
+#       The multi-tenant workload sends tool schemas: vLLM refuses them (400) without a tool-call parser.
 #   h200_offline.sh rows WORK OUT DEADLINE_EPOCH_S PLAN_FILE
 #       runs `kvrouter bench --fleet WORK/replicas.yaml` once per line of PLAN_FILE (`NAME ARGS...`; the out dir
 #       is OUT/NAME), each under a timeout that ends it by the deadline (bench keeps the rows it finished); a line
@@ -34,7 +35,7 @@ up)
     VLLM_USE_FLASHINFER_SAMPLER=0 setsid python3 "$ROOT/deploy/gpu/vllm_fleet.py" --model "$model" \
         --served-model-name llama8b-shape --gpus "$gpus" --per-gpu "$per_gpu" --gpu-memory-utilization "$util" \
         --kv-cache-memory-bytes "$kv_bytes" --out "$work/replicas.yaml" --log-dir "$work/logs" \
-        -- --load-format dummy >"$work/fleet.log" 2>&1 < /dev/null &
+        -- --load-format dummy --enable-auto-tool-choice --tool-call-parser hermes >"$work/fleet.log" 2>&1 < /dev/null &
     echo $! >"$work/fleet.pid"; started=$(date +%s)
     while [ ! -f "$work/replicas.yaml" ]; do
         if ! kill -0 "$(cat "$work/fleet.pid")" 2>/dev/null; then cat "$work/fleet.log"; exit 1; fi
