@@ -6,6 +6,10 @@ the tail of its log, so a broken router or simulator is reported as such instead
 Locust always runs as a subprocess: it monkey-patches the interpreter with gevent, which must never happen to
 the process that orchestrates (or to a router).
 
+Replicas that run elsewhere (real vLLM on GPUs) come from their replicas.yaml (`external_fleet`); a row empties
+their prefix caches first (`reset_prefix_caches`, vLLM's POST /reset_prefix_cache, retried while the engine
+still holds blocks), so every row starts cold as it does on fresh simulated replicas.
+
 Children run `python -P`: the working directory is not put on their sys.path, so a bench started from a source
 checkout runs the installed package (with its compiled tables), not the tree it happens to stand in.
 `missing_loadtest_modules` imports Locust and matplotlib in such a child before anything starts (never here:
