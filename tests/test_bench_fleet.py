@@ -22,7 +22,7 @@ import yaml
 
 from kvrouter.bench import plan_from_args
 from kvrouter.cli import build_parser
-from kvrouter.loadgen.fleet import FleetError, free_port_range, reset_prefix_caches
+from kvrouter.loadgen.fleet import FleetError, external_fleet, free_port_range, render_router_cmd, reset_prefix_caches
 
 
 @pytest.fixture
@@ -145,3 +145,13 @@ def test_a_missing_reset_endpoint_names_vllm_server_dev_mode(reset_server: _Rese
     url = f"http://127.0.0.1:{reset_server.server_address[1]}"
     with pytest.raises(FleetError, match="VLLM_SERVER_DEV_MODE=1"):
         reset_prefix_caches({"vllm-0": url}, timeout_s=5, retry_s=0.05)
+
+
+def test_peer_router_templates_get_the_running_replicas(sim_fleet: Path) -> None:
+    fleet = external_fleet(sim_fleet)
+    urls = [replica["url"] for replica in yaml.safe_load(sim_fleet.read_text())["replicas"]]
+    argv = render_router_cmd("peer --port {port} --worker-urls {worker_urls} {kv_event_source_flags}", 9, fleet)
+    assert argv[:4] == ["peer", "--port", "9", "--worker-urls"] and argv[4:6] == urls
+    sources = [argv[i + 1] for i, word in enumerate(argv) if word == "--kv-event-source"]
+    assert [source.split("=", 1)[0] for source in sources] == urls
+    assert all(source.split("=", 1)[1].startswith("tcp://127.0.0.1:") for source in sources)
