@@ -2,7 +2,7 @@
 # `kvrouter bench` on real vLLM replicas of one GPU host that has no package index (docs/benchmarks.md, "Real GPUs").
 #
 #   h200_offline.sh install PARTS_DIR WHEEL_DIR... -- SITE
-#       vLLM 0.26.0 from the bundle parts (build_bundle.sh in the GPU notes) and every wheel in the WHEEL_DIRs
+#       vLLM 0.26.0 from the bundle parts (../shared/gpu/build_bundle.sh) and every wheel in the WHEEL_DIRs
 #       (vLLM's missing dependencies, kvrouter's redis / pydantic-settings / python-dotenv, Locust's) into SITE.
 #   h200_offline.sh up MODEL_DIR WORK [GPUS=0] [PER_GPU=4] [KV_BYTES=6G] [UTILIZATION=0.2]
 #       starts deploy/gpu/vllm_fleet.py in a session of its own (it outlives this shell), dummy weights of
