@@ -1,7 +1,8 @@
 """`kvrouter bench`: the same workload through each routing policy (and other routers), side by side.
 
 For every row — each `--policies` entry, each `--router-cmd`, each `--target` — the bench starts fresh simulated
-replicas (cold caches, `kvrouter sim`) and a fresh router in front of them, runs Locust headless as a
+replicas (cold caches, `kvrouter sim`) — or, with `--fleet replicas.yaml`, empties the prefix caches of replicas
+already running (real vLLM: POST /reset_prefix_cache) — and a fresh router in front of them, runs Locust headless as a
 subprocess on the identical schedule (same seed, same arrivals, same bytes), samples the replicas' /metrics
 every second while it runs, and afterwards writes into `--out`: report.json, report.md, ttft_cdf.png,
 ttft_over_time.png, replica_load.png, and per row the Locust CSVs, the per-request records and the logs.
@@ -34,13 +35,16 @@ from kvrouter.config import POLICY_NAMES
 from kvrouter.loadgen.fleet import (
     LOADTEST_INSTALL,
     Child,
+    ExternalFleet,
     FleetError,
     SimFleet,
     Terminated,
+    external_fleet,
     free_port_range,
     interrupts_stop_children,
     locust_argv,
     missing_loadtest_modules,
+    reset_prefix_caches,
     scrape,
     start_child,
     start_kvrouter,
@@ -96,6 +100,8 @@ class BenchPlan:
     router_args: list[str] = field(default_factory=list)
     target_metrics: list[str] = field(default_factory=list)
     quiet: bool = False
+    fleet: Path | None = None
+    """A replicas.yaml of replicas already running (real vLLM): every row runs against them, caches reset."""
 
     def locust_flags(self) -> list[str]:
         p = self.params
@@ -114,7 +120,8 @@ class BenchPlan:
         common: dict[str, Any] = {
             "workload": self.workload,
             "replicas": self.replicas,
-            "profile": self.profile,
+            "profile": self.profile if self.fleet is None else "external",
+            **({"fleet": str(self.fleet)} if self.fleet is not None else {}),
             "time_scale": scale,
             "wall_duration_s": p.duration_s,
             "engine_duration_s": p.duration_s * scale,
@@ -152,6 +159,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--workload", default="multi-tenant", choices=sorted(WORKLOADS))
     parser.add_argument("--replicas", type=int, default=4, help="Simulated replicas per row.")
+    parser.add_argument(
+        "--fleet",
+        type=Path,
+        default=None,
+        metavar="REPLICAS_YAML",
+        help="Run every row against these running replicas (real vLLM) instead of simulated ones; their prefix "
+        "caches are reset before each row (POST /reset_prefix_cache: vLLM needs VLLM_SERVER_DEV_MODE=1).",
+    )
     parser.add_argument("--profile", default="b200x4-moe-1t", help="Simulator profile.")
     parser.add_argument("--duration", type=float, default=60.0, help="Wall seconds of arrivals per row.")
     parser.add_argument("--policies", default="round_robin,least_loaded,kv_aware", help="Comma-separated ('' none).")
@@ -216,6 +231,14 @@ def _split_named(values: list[str], flag: str) -> list[tuple[str, str]]:
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     if args.time_scale <= 0:
         raise ValueError("--time-scale must be positive")
+    replicas = args.replicas
+    if args.fleet is not None:
+        if args.time_scale != 1.0:
+            raise ValueError("--time-scale applies to simulated replicas only; real ones run in real time")
+        try:
+            replicas = len(external_fleet(args.fleet).replicas)
+        except FleetError as error:
+            raise ValueError(str(error)) from None
     scale = args.time_scale
     rows = []
     for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
@@ -246,10 +269,10 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         trace_start_s=args.trace_start,
     )
     return BenchPlan(
-        workload=args.workload, params=params, rows=rows, out=args.out, replicas=args.replicas,
+        workload=args.workload, params=params, rows=rows, out=args.out, replicas=replicas,
         profile=args.profile, time_scale=scale, users=args.users, drain_s=args.drain, slo_ttft_s=args.slo_ttft,
         tokenizer=args.tokenizer, sim_args=list(args.sim_arg), router_args=list(args.router_arg),
-        target_metrics=list(args.target_metrics), quiet=args.quiet,
+        target_metrics=list(args.target_metrics), quiet=args.quiet, fleet=args.fleet,
     )  # fmt: skip
 
 
@@ -296,7 +319,7 @@ def _median(values: list[float]) -> float | None:
     return sorted(values)[len(values) // 2] if values else None
 
 
-def _start_router(plan: BenchPlan, spec: RowSpec, sim: SimFleet, row_dir: Path) -> tuple[Child, str]:
+def _start_router(plan: BenchPlan, spec: RowSpec, sim: SimFleet | ExternalFleet, row_dir: Path) -> tuple[Child, str]:
     port = free_port_range(1)
     log = row_dir / "router.log"
     if spec.kind == "policy":
@@ -324,13 +347,19 @@ def run_row(plan: BenchPlan, spec: RowSpec, scheduled: int, say: Any) -> RowData
             host = spec.value.rstrip("/")
             replicas = {f"replica-{i}": url.rstrip("/") for i, url in enumerate(plan.target_metrics)}
         else:
-            say(f"[{spec.name}] starting {plan.replicas} simulated replicas ({plan.profile}) and the router")
-            sim = start_sim(
-                replicas=plan.replicas, profile=plan.profile, replicas_file=row_dir / "replicas.yaml",
-                log=row_dir / "sim.log", time_scale=plan.time_scale, tokenizer=_tokenizer(plan),
-                extra=plan.sim_args,
-            )  # fmt: skip
-            children.append(sim.child)
+            sim: SimFleet | ExternalFleet
+            if plan.fleet is not None:
+                say(f"[{spec.name}] resetting the prefix caches of {plan.replicas} replicas; starting the router")
+                sim = external_fleet(plan.fleet)
+                reset_prefix_caches(sim.replicas)
+            else:
+                say(f"[{spec.name}] starting {plan.replicas} simulated replicas ({plan.profile}) and the router")
+                sim = start_sim(
+                    replicas=plan.replicas, profile=plan.profile, replicas_file=row_dir / "replicas.yaml",
+                    log=row_dir / "sim.log", time_scale=plan.time_scale, tokenizer=_tokenizer(plan),
+                    extra=plan.sim_args,
+                )  # fmt: skip
+                children.append(sim.child)
             router, host = _start_router(plan, spec, sim, row_dir)
             children.append(router)
             replicas = sim.replicas

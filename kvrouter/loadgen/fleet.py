@@ -6,6 +6,10 @@ the tail of its log, so a broken router or simulator is reported as such instead
 Locust always runs as a subprocess: it monkey-patches the interpreter with gevent, which must never happen to
 the process that orchestrates (or to a router).
 
+Replicas that run elsewhere (real vLLM on GPUs) come from their replicas.yaml (`external_fleet`); a row empties
+their prefix caches first (`reset_prefix_caches`, vLLM's POST /reset_prefix_cache, retried while the engine
+still holds blocks), so every row starts cold as it does on fresh simulated replicas.
+
 Children run `python -P`: the working directory is not put on their sys.path, so a bench started from a source
 checkout runs the installed package (with its compiled tables), not the tree it happens to stand in.
 `missing_loadtest_modules` imports Locust and matplotlib in such a child before anything starts (never here:
@@ -284,6 +288,59 @@ def start_sim(
         return SimFleet(child, replicas_file, urls, endpoints, int(fleet.get("block_size") or 16))
 
 
+@dataclass(frozen=True, slots=True)
+class ExternalFleet:
+    """Replicas that run elsewhere (real vLLM, say): what a row needs of them, as their replicas.yaml says."""
+
+    replicas_file: Path
+    replicas: dict[str, str]
+    kv_endpoints: dict[str, str]
+    block_size: int
+
+
+def external_fleet(replicas_file: Path) -> ExternalFleet:
+    """Replicas that are already running (real vLLM, say), as their replicas.yaml describes them."""
+    from kvrouter.config import ConfigError, load_fleet
+
+    try:
+        fleet = load_fleet(replicas_file)
+    except ConfigError as error:
+        raise FleetError(str(error)) from None
+    urls = {replica.name: replica.base_url for replica in fleet.replicas}
+    endpoints = {replica.name: replica.kv_events.endpoint for replica in fleet.replicas if replica.kv_events}
+    return ExternalFleet(replicas_file, urls, endpoints, fleet.block_size)
+
+
+def reset_prefix_caches(replicas: Mapping[str, str], timeout_s: float = 120.0, retry_s: float = 1.0) -> None:
+    """Empty every replica's prefix cache (POST /reset_prefix_cache; vLLM serves it with VLLM_SERVER_DEV_MODE=1).
+
+    vLLM answers `{"success": false}` while blocks are still held (requests of the previous row finishing or
+    being aborted), so each replica is asked again every `retry_s` until it succeeds or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    for name, url in replicas.items():
+        last = "no answer"
+        while True:
+            try:
+                request = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache", data=b"", method="POST")
+                with urllib.request.urlopen(request, timeout=10.0) as response:
+                    body = response.read().decode("utf-8", errors="replace")
+                # vLLM 0.26+ and the simulator answer {"success": bool}; older vLLMs an empty 200.
+                if not body.strip() or json.loads(body).get("success", True) is not False:
+                    break
+                last = "success: false (blocks still in use)"
+            except urllib.error.HTTPError as error:
+                last = f"HTTP {error.code}"
+                if error.code == 404:
+                    raise FleetError(
+                        f"{name} ({url}) has no POST /reset_prefix_cache: start vLLM with VLLM_SERVER_DEV_MODE=1"
+                    ) from None
+            except (OSError, urllib.error.URLError, ValueError, AttributeError) as error:
+                last = str(error)
+            if time.monotonic() > deadline:
+                raise FleetError(f"{name} ({url}): prefix cache not reset within {timeout_s:.0f} s ({last})")
+            time.sleep(retry_s)
+
+
 def start_kvrouter(replicas_file: Path, port: int, policy: str, log: Path, extra: Sequence[str] = ()) -> Child:
     argv = kvrouter_argv(
         "--replicas", str(replicas_file), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
@@ -294,7 +351,7 @@ def start_kvrouter(replicas_file: Path, port: int, policy: str, log: Path, extra
         return child
 
 
-def render_router_cmd(template: str, port: int, sim: SimFleet) -> list[str]:
+def render_router_cmd(template: str, port: int, sim: SimFleet | ExternalFleet) -> list[str]:
     """Fill a `--router-cmd` template: {port}, {worker_urls} (space-separated), {worker_urls_csv},
     {replicas_file}, {block_size}, {kv_event_sources} (WORKER_URL=tcp://... space-separated) and
     {kv_event_source_flags} (`--kv-event-source WORKER_URL=tcp://...` once per replica, vllm-router's form)."""
@@ -311,7 +368,7 @@ def render_router_cmd(template: str, port: int, sim: SimFleet) -> list[str]:
     return shlex.split(template.format(**values))
 
 
-def start_router_cmd(name: str, template: str, port: int, sim: SimFleet, log: Path) -> Child:
+def start_router_cmd(name: str, template: str, port: int, sim: SimFleet | ExternalFleet, log: Path) -> Child:
     with stopped_on_failure(start_child(name, render_router_cmd(template, port, sim), log)) as child:
         # Other routers differ in health paths; any HTTP answer from /v1/models below 500 means it is serving.
         wait_ready(child, f"http://127.0.0.1:{port}/v1/models", timeout_s=120, accept_below=500)
