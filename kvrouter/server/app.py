@@ -36,11 +36,13 @@ from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import CountingIndexWriter
 from kvrouter.metrics import RouterMetrics
 from kvrouter.policies import build_policy
+from kvrouter.redisplane.loadplane import build_load_plane, instance_name
 from kvrouter.redisplane.wiring import build_follower
 from kvrouter.routing.lifecycle import EventListener, RequestListener, tell_cleared
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.overlays import overlays_from_settings
 from kvrouter.routing.router import PrefixLookup, PromptTokenizer, Router
+from kvrouter.routing.sharing import LoadShare, ShareLimits
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
 from kvrouter.server.proxy import Proxy
 from kvrouter.server.replicas import ReplicaSet
@@ -164,6 +166,26 @@ def create_app(
     app[EDGE] = edge
     load = LoadBook()
     prefix = build_prefix_parts(settings, fleet, metrics, clock, load)
+    replicas = ReplicaSet(fleet, settings, load, metrics, clock)
+    share = None
+    if settings.redis_url is not None and settings.load_share:
+        # Shared load (kvrouter/routing/sharing.py): this instance's own counts out, the other instances' in.
+        share = LoadShare(
+            instance_name(),
+            load,
+            lambda: [state.name for state in replicas],
+            lookup=prefix.lookup,
+            limits=ShareLimits(expiry_s=settings.load_share_expiry_s, prefix_blocks=settings.load_share_prefix_blocks),
+        )
+        plane = build_load_plane(
+            settings.redis_url,
+            share,
+            metrics.registry,
+            interval_s=settings.load_share_interval_s,
+            heartbeat_s=settings.load_share_heartbeat_s,
+            clock=clock,
+        )
+        prefix.contexts.append(plane.context)
     router = Router(
         policy=build_policy(settings.policy, settings, clock=clock),
         load=load,
@@ -171,10 +193,9 @@ def create_app(
         tokenizer=prefix.tokenizer,
         hash_seed=fleet.hash_seed,
         lora_adapters=fleet.lora_adapters,
-        listeners=prefix.request_listeners,
+        listeners=[*prefix.request_listeners, *([share] if share is not None else [])],
         clock=clock,
     )
-    replicas = ReplicaSet(fleet, settings, load, metrics, clock)
     forget = forget_replica(prefix.index, prefix.event_listeners, clock)
     replicas.on_gone = forget
     proxy = Proxy(settings=settings, router=router, replicas=replicas, load=load, metrics=metrics, clock=clock)
