@@ -273,6 +273,12 @@ class Settings(BaseSettings):
     load_share_expiry_s: float = Field(
         default=3.0, gt=0, le=60.0, description="A peer instance silent this long stops counting (its load expires)."
     )
+    saturation_queue_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds of queued prefill (at kv_prefill_tokens_per_s) at which a replica counts as saturated "
+        "in kvrouter_fleet_saturation, the autoscaling signal.",
+    )
     load_share_prefix_blocks: int = Field(
         default=256, ge=0, le=4096, description="Leading blocks of each routed prefix shared with peer instances."
     )

@@ -41,10 +41,12 @@ from kvrouter.redisplane.wiring import build_follower
 from kvrouter.routing.lifecycle import EventListener, RequestListener, tell_cleared
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.overlays import overlays_from_settings
+from kvrouter.routing.quality import RoutingQuality, SaturationConfig
 from kvrouter.routing.router import PrefixLookup, PromptTokenizer, Router
 from kvrouter.routing.sharing import LoadShare, ShareLimits
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
 from kvrouter.server.proxy import Proxy
+from kvrouter.server.quality_metrics import QualityCollector
 from kvrouter.server.replicas import ReplicaSet
 from kvrouter.server.status import EVENT_STREAMS
 from kvrouter.tokenization import HfPromptTokenizer
@@ -167,6 +169,7 @@ def create_app(
     load = LoadBook()
     prefix = build_prefix_parts(settings, fleet, metrics, clock, load)
     replicas = ReplicaSet(fleet, settings, load, metrics, clock)
+    quality = RoutingQuality()
     share = None
     if settings.redis_url is not None and settings.load_share:
         # Shared load (kvrouter/routing/sharing.py): this instance's own counts out, the other instances' in.
@@ -193,9 +196,11 @@ def create_app(
         tokenizer=prefix.tokenizer,
         hash_seed=fleet.hash_seed,
         lora_adapters=fleet.lora_adapters,
-        listeners=[*prefix.request_listeners, *([share] if share is not None else [])],
+        listeners=[*prefix.request_listeners, quality, *([share] if share is not None else [])],
         clock=clock,
     )
+    saturation = SaturationConfig(settings.kv_prefill_tokens_per_s, settings.saturation_queue_s)
+    metrics.registry.register(QualityCollector(quality, replicas, load, saturation))
     forget = forget_replica(prefix.index, prefix.event_listeners, clock)
     replicas.on_gone = forget
     proxy = Proxy(settings=settings, router=router, replicas=replicas, load=load, metrics=metrics, clock=clock)
