@@ -112,6 +112,11 @@ class LoadBook:
             peer_pending_prefill_tokens=peers.pending_prefill_tokens,
         )
 
+    def own_in_flight(self, replica: ReplicaName) -> int:
+        """Requests this instance has in flight on `replica` (what it can wait for; peers' not included)."""
+        counts = self._counts.get(replica)
+        return counts.in_flight if counts is not None else 0
+
     def in_flight_total(self) -> int:
         return sum(counts.in_flight for counts in self._counts.values())
 
