@@ -279,6 +279,11 @@ class Settings(BaseSettings):
         description="Seconds of queued prefill (at kv_prefill_tokens_per_s) at which a replica counts as saturated "
         "in kvrouter_fleet_saturation, the autoscaling signal.",
     )
+    load_share_dir: Path | None = Field(
+        default=None,
+        description="Without redis_url: a private directory where router processes on one host share load over "
+        "Unix datagram sockets (`--workers` makes one itself; set it to share with processes started otherwise).",
+    )
     load_share_prefix_blocks: int = Field(
         default=256, ge=0, le=4096, description="Leading blocks of each routed prefix shared with peer instances."
     )

@@ -34,6 +34,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -164,14 +165,23 @@ class RedisLoadPlane:
             await task
 
 
+class SharingPlane(Protocol):
+    """What the collector reads: this plane or the local one of `--workers` (kvrouter/server/local_loadplane.py)."""
+
+    share: LoadShare
+    stats: PlaneStats
+
+
 class LoadPlaneCollector(Collector):
-    def __init__(self, plane: RedisLoadPlane) -> None:
+    def __init__(self, plane: SharingPlane) -> None:
         self.plane = plane
 
     def collect(self) -> Iterator[Metric]:
         stats, share = self.plane.stats, self.plane.share
         yield GaugeMetricFamily(
-            "kvrouter_load_share_up", "1 while this instance shares load through Redis.", value=float(stats.connected)
+            "kvrouter_load_share_up",
+            "1 while this instance shares load (Redis, or the --workers channel).",
+            value=float(stats.connected),
         )
         yield GaugeMetricFamily(
             "kvrouter_load_share_peers", "Other router instances whose load is counted now.", value=len(share.peers())
@@ -218,4 +228,12 @@ def build_load_plane(
     return plane
 
 
-__all__ = ["CHANNEL", "LoadPlaneCollector", "PlaneStats", "RedisLoadPlane", "build_load_plane", "instance_name"]
+__all__ = [
+    "CHANNEL",
+    "LoadPlaneCollector",
+    "PlaneStats",
+    "RedisLoadPlane",
+    "SharingPlane",
+    "build_load_plane",
+    "instance_name",
+]

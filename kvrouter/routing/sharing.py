@@ -6,7 +6,8 @@ last report (each one's leading block keys, which peers mark provisional on that
 — and folds the reports of the other instances into the same load book. Reports are absolute, not increments, so
 a lost, repeated or late one does no lasting harm; a peer that stops reporting (it died, or lost Redis) is dropped
 `expiry_s` after its last report, so its share stops counting. The transport (Redis pub/sub,
-`kvrouter.redisplane.loadplane`) only moves bytes: this module is pure and clock-free (`now` is an argument).
+`kvrouter.redisplane.loadplane`; without Redis, between `--workers` processes, Unix datagrams:
+`kvrouter.server.local_loadplane`) only moves bytes: this module is pure and clock-free (`now` is an argument).
 
 Hostile peers. A report is decoded at the edge into `LoadReport` (msgspec, typed) and then checked whole: counts
 negative, above `max_in_flight` requests, decoding more than in flight, or more than `max_tokens_per_request`
@@ -132,16 +133,20 @@ class LoadShare:
         """Whether a report would say something the last one did not (counts moved, or prefixes were routed)."""
         return bool(self._routed) or self._counts() != self._last
 
-    def report(self) -> bytes:
-        """The next report to publish (it takes the prefixes routed since the last one)."""
+    def report(self, max_bytes: int | None = None) -> bytes:
+        """The next report to publish (it takes the prefixes routed since the last one). With `max_bytes` (a
+        datagram's limit) the newest prefixes that do not fit are left out: they are provisional hints, and the
+        KV events bring the truth shortly after."""
         counts = self._counts()
         self._last = counts
         self._seq += 1
         prefixes, self._routed = self._routed, []
-        report = LoadReport(
-            WIRE_VERSION, self.instance, self._seq, [ReplicaCounts(*entry) for entry in counts], prefixes
-        )
-        return _encoder.encode(report)
+        replicas = [ReplicaCounts(*entry) for entry in counts]
+        payload = _encoder.encode(LoadReport(WIRE_VERSION, self.instance, self._seq, replicas, prefixes))
+        while max_bytes is not None and len(payload) > max_bytes and prefixes:
+            prefixes = prefixes[: len(prefixes) // 2]
+            payload = _encoder.encode(LoadReport(WIRE_VERSION, self.instance, self._seq, replicas, prefixes))
+        return payload
 
     def _counts(self) -> tuple[tuple[str, int, int, int], ...]:
         own = self.load.own()

@@ -36,7 +36,7 @@ from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import CountingIndexWriter
 from kvrouter.metrics import RouterMetrics
 from kvrouter.policies import build_policy
-from kvrouter.redisplane.loadplane import build_load_plane, instance_name
+from kvrouter.redisplane.loadplane import LoadPlaneCollector, RedisLoadPlane, build_load_plane, instance_name
 from kvrouter.redisplane.wiring import build_follower
 from kvrouter.routing.lifecycle import EventListener, RequestListener, tell_cleared
 from kvrouter.routing.load import LoadBook
@@ -45,6 +45,7 @@ from kvrouter.routing.quality import RoutingQuality, SaturationConfig
 from kvrouter.routing.router import PrefixLookup, PromptTokenizer, Router
 from kvrouter.routing.sharing import LoadShare, ShareLimits
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
+from kvrouter.server.local_loadplane import LocalLoadPlane
 from kvrouter.server.proxy import Proxy
 from kvrouter.server.quality_metrics import QualityCollector
 from kvrouter.server.replicas import ReplicaSet
@@ -171,7 +172,8 @@ def create_app(
     replicas = ReplicaSet(fleet, settings, load, metrics, clock)
     quality = RoutingQuality()
     share = None
-    if settings.redis_url is not None and settings.load_share:
+    sharing = settings.redis_url is not None or settings.load_share_dir is not None
+    if settings.load_share and sharing:
         # Shared load (kvrouter/routing/sharing.py): this instance's own counts out, the other instances' in.
         share = LoadShare(
             instance_name(),
@@ -180,14 +182,27 @@ def create_app(
             lookup=prefix.lookup,
             limits=ShareLimits(expiry_s=settings.load_share_expiry_s, prefix_blocks=settings.load_share_prefix_blocks),
         )
-        plane = build_load_plane(
-            settings.redis_url,
-            share,
-            metrics.registry,
-            interval_s=settings.load_share_interval_s,
-            heartbeat_s=settings.load_share_heartbeat_s,
-            clock=clock,
-        )
+        plane: RedisLoadPlane | LocalLoadPlane
+        if settings.redis_url is not None:
+            plane = build_load_plane(
+                settings.redis_url,
+                share,
+                metrics.registry,
+                interval_s=settings.load_share_interval_s,
+                heartbeat_s=settings.load_share_heartbeat_s,
+                clock=clock,
+            )
+        else:
+            # One host, no Redis (`--workers`): Unix datagrams in a private directory (local_loadplane).
+            assert settings.load_share_dir is not None
+            plane = LocalLoadPlane(
+                share,
+                settings.load_share_dir,
+                interval_s=settings.load_share_interval_s,
+                heartbeat_s=settings.load_share_heartbeat_s,
+                clock=clock,
+            )
+            metrics.registry.register(LoadPlaneCollector(plane))
         prefix.contexts.append(plane.context)
     router = Router(
         policy=build_policy(settings.policy, settings, clock=clock),
