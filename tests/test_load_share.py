@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 
 from kvrouter.config import load_fleet
 from kvrouter.index import PrefixIndex
-from kvrouter.redisplane.loadplane import CHANNEL
+from kvrouter.redisplane.loadplane import CHANNEL, load_plane_client
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.sharing import LoadReport, LoadShare, ReplicaCounts, RoutedPrefix, ShareLimits
 from kvrouter.server.app import LOAD, create_app
@@ -193,3 +193,21 @@ async def test_two_routers_share_load_and_ignore_a_hostile_peer(
     # a stops publishing (its plane is torn down with the app): b drops it within the expiry.
     await a.close()
     await eventually(lambda: book_b.peers() == [], within_s=5.0, what="expired")
+
+
+@pytest.mark.parametrize(
+    ("url", "host", "port", "tls"),
+    [
+        ("redis+cluster://user:pw@h1:7000,h2:7001", "h1", 7000, False),
+        ("rediss+cluster://h1:7000,h2:7001?ssl_cert_reqs=none", "h1", 7000, True),
+        ("redis://x:6379/2", "x", 6379, False),
+    ],
+)
+def test_the_load_plane_publishes_through_one_node(url: str, host: str, port: int, tls: bool) -> None:
+    """On a Cluster a PUBLISH reaches every node's subscribers: one plain connection to the first seed serves."""
+    client = load_plane_client(url)
+    settings = client.connection_pool.connection_kwargs
+    assert (settings["host"], settings["port"]) == (host, port)
+    assert (client.connection_pool.connection_class.__name__ == "SSLConnection") is tls
+    if "user:pw" in url:
+        assert (settings["username"], settings["password"]) == ("user", "pw")
