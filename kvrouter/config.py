@@ -259,6 +259,34 @@ class Settings(BaseSettings):
         default=None, description="Follow KV events through Redis (relay mode) instead of ZMQ from each replica."
     )
     workers: int = Field(default=1, ge=1, le=256, description="Router processes sharing the port (SO_REUSEPORT).")
+    load_share: bool = Field(
+        default=True,
+        description="With `redis_url`: share each instance's own load (in flight, pending prefill, decoding, routed "
+        "prefixes) with the other router instances through Redis pub/sub (docs/scaling.md).",
+    )
+    load_share_interval_s: float = Field(
+        default=0.02, gt=0, le=1.0, description="Shortest time between two load reports (the staleness bound)."
+    )
+    load_share_heartbeat_s: float = Field(
+        default=0.5, gt=0, le=10.0, description="Publish a load report this often even when nothing changed."
+    )
+    load_share_expiry_s: float = Field(
+        default=3.0, gt=0, le=60.0, description="A peer instance silent this long stops counting (its load expires)."
+    )
+    saturation_queue_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds of queued prefill (at kv_prefill_tokens_per_s) at which a replica counts as saturated "
+        "in kvrouter_fleet_saturation, the autoscaling signal.",
+    )
+    load_share_dir: Path | None = Field(
+        default=None,
+        description="Without redis_url: a private directory where router processes on one host share load over "
+        "Unix datagram sockets (`--workers` makes one itself; set it to share with processes started otherwise).",
+    )
+    load_share_prefix_blocks: int = Field(
+        default=256, ge=0, le=4096, description="Leading blocks of each routed prefix shared with peer instances."
+    )
 
     connect_timeout_s: float = Field(default=5.0, gt=0, description="Timeout to connect to a replica.")
     read_timeout_s: float = Field(

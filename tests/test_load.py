@@ -1,4 +1,4 @@
-from kvrouter.routing.load import EngineGauges, LoadBook
+from kvrouter.routing.load import EngineGauges, LoadBook, OwnLoad
 from kvrouter.typedefs import ReplicaName
 
 A = ReplicaName("a")
@@ -36,3 +36,25 @@ def test_engine_gauges_merge_and_clear() -> None:
     assert (load.engine_waiting, load.engine_running, load.kv_usage) == (3, 7, 0.5)
     book.observe_engine(A, None)
     assert book.snapshot(A).kv_usage is None
+
+
+def test_peer_reports_add_to_the_snapshot_and_replace_each_other() -> None:
+    book = LoadBook()
+    book.begin(A, 100)
+    book.fold_peer("p1", A, OwnLoad(in_flight=2, pending_prefill_tokens=500, decode_requests=1))
+    book.fold_peer("p2", A, OwnLoad(in_flight=1, pending_prefill_tokens=0, decode_requests=1))
+    load = book.snapshot(A)
+    assert (load.in_flight, load.pending_prefill_tokens, load.decode_requests) == (4, 600, 2)
+    assert load.peer_pending_prefill_tokens == 500
+    # Reports are absolute: the next one from p1 replaces its last, it does not add to it.
+    book.fold_peer("p1", A, OwnLoad(in_flight=1, pending_prefill_tokens=200, decode_requests=0))
+    load = book.snapshot(A)
+    assert (load.in_flight, load.pending_prefill_tokens, load.decode_requests) == (3, 300, 1)
+    book.drop_peer("p1")
+    book.drop_peer("p1")
+    load = book.snapshot(A)
+    assert (load.in_flight, load.pending_prefill_tokens, load.peer_pending_prefill_tokens) == (2, 100, 0)
+    assert book.peers() == ["p2"]
+    # What this instance publishes is its own part only.
+    assert book.own() == {A: OwnLoad(1, 100, 0)}
+    assert book.in_flight_total() == 1 and book.peer_in_flight() == 1

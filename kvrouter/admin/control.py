@@ -84,7 +84,7 @@ class AppFleetHooks:
         return views
 
     def in_flight(self, name: ReplicaName) -> int:
-        return self.load.snapshot(name).in_flight
+        return self.load.own_in_flight(name)
 
     def set_draining(self, name: ReplicaName, draining: bool) -> None:
         if draining:

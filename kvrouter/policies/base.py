@@ -36,6 +36,8 @@ class ReplicaLoad:
     engine_running: int | None = None
     kv_usage: float | None = None
     """Fraction of the engine's KV cache in use, 0..1."""
+    peer_pending_prefill_tokens: int = 0
+    """The part of `pending_prefill_tokens` other router instances reported (shared load); 0 without sharing."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -160,12 +160,11 @@ class KvAwarePolicy:
         pass_s = config.decode_pass_s + config.decode_s_per_request * load.decode_requests if busy else 0.0
         lane = self._lanes.get(candidate.replica)
         done = 0.0
-        if lane is not None and load.pending_prefill_tokens > 0:
+        # The lane follows this router's own requests: other instances' pending prefill (shared load) is queue.
+        own_pending = load.pending_prefill_tokens - load.peer_pending_prefill_tokens
+        if lane is not None and own_pending > 0:
             rate = config.batch_tokens / (config.batch_tokens / config.prefill_tokens_per_s + pass_s)
-            done = min(
-                lane.in_progress(load.pending_prefill_tokens, now, rate * candidate.weight),
-                float(load.pending_prefill_tokens),
-            )
+            done = min(lane.in_progress(own_pending, now, rate * candidate.weight), float(own_pending))
         queue = load.pending_prefill_tokens - done
         if config.waiting_request_tokens and load.engine_waiting is not None:
             prefilling_here = load.in_flight - load.decode_requests
@@ -182,6 +181,7 @@ class KvAwarePolicy:
             "cache_credit_tokens": float(credit),
             "uncached_tokens": float(uncached),
             "pending_prefill_tokens": float(load.pending_prefill_tokens),
+            "peer_pending_prefill_tokens": float(load.peer_pending_prefill_tokens),
             "prefill_in_progress_tokens": done,
             "queued_prefill_tokens": float(queue),
             "prefill_s": prefill_s,
@@ -232,7 +232,9 @@ class KvAwarePolicy:
             lane = self._lanes.get(scored.replica)
             if lane is None:
                 lane = self._lanes[scored.replica] = _Lane(head_since=now, observed=now)
-            lane.observe(int(scored.breakdown.get("pending_prefill_tokens", 0.0)), now)
+            breakdown = scored.breakdown
+            pending = breakdown.get("pending_prefill_tokens", 0.0) - breakdown.get("peer_pending_prefill_tokens", 0.0)
+            lane.observe(int(pending), now)
             if scored.replica == decision.chosen:
                 # What the load book counts for it: the prompt minus what is cached there.
                 tokens = int(scored.breakdown.get("prompt_tokens", 0.0)) - scored.cached_tokens

@@ -5,11 +5,16 @@ Example: `kvrouter replay shared/traces/mooncake/conversation_trace.jsonl --poli
 writes report.json, report.md, requests_<policy>.csv and ttft_cdf.png. Policy knobs come from the usual
 settings (`KVROUTER_KV_*` environment) and `--set kv_name=value`. Every policy sees the same trace, the same
 prompts and fresh engines, so rows differ only by routing.
+
+Several routers (`kvrouter.replay.routers`): `--routers 4 --spread random --share-delay-ms off,0,10,50,200` replays
+each policy through four router instances, once per sharing setting (`off`: each counts only its own load), one
+row each, labelled `<policy>@k4-share<ms>` or `<policy>@k4-unshared`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -34,6 +39,7 @@ from kvrouter.replay.driver import (
 from kvrouter.replay.hotspot import hot_spot
 from kvrouter.replay.prompts import PromptCatalog
 from kvrouter.replay.report import summarize, table, write_outputs
+from kvrouter.replay.routers import RouterSpread
 from kvrouter.replay.trace import TraceError, load_trace
 from kvrouter.sim.model import EngineModel
 from kvrouter.sim.profiles import build_engine, get_profile
@@ -69,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="The router sees first tokens only when answers end (non-streaming, assemble_non_streaming off).",
     )
+    parser.add_argument("--routers", type=int, default=1, help="Router instances in front of the engines.")
+    parser.add_argument("--spread", default="round_robin", help="How arrivals reach the routers: round_robin, random.")
+    parser.add_argument(
+        "--share-delay-ms",
+        default="0",
+        help="Comma-separated delays before one router's load reaches the others (`off`: not shared); one row each.",
+    )
     parser.add_argument("--json", action="store_true", help="Print report.json's rows instead of the table.")
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="Policies replayed at once (forked processes)."
@@ -88,6 +101,34 @@ def _settings(overrides: list[str]) -> Settings:
 def replay_policy_object(name: str, settings: Settings, clock: VirtualClock) -> Policy:
     """The policy as `build_policy` makes it, on the replay's clock."""
     return build_policy(name, settings, clock=clock)
+
+
+def share_delays(text: str) -> list[float | None]:
+    """`off,0,10,50` -> [None, 0.0, 0.01, 0.05] (seconds; None: load not shared)."""
+    delays: list[float | None] = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item in ("off", "none"):
+            delays.append(None)
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise ConfigError(f"--share-delay-ms: expected milliseconds or 'off', got {item!r}") from None
+        if value < 0 or value != value:
+            raise ConfigError(f"--share-delay-ms: expected milliseconds or 'off', got {item!r}")
+        delays.append(value / 1000)
+    if not delays:
+        raise ConfigError("--share-delay-ms: expected at least one value")
+    return delays
+
+
+def row_label(policy: str, spread: RouterSpread) -> str:
+    if spread.routers == 1:
+        return policy
+    delay = spread.share_delay_s
+    sharing = "unshared" if delay is None else f"share{delay * 1000:g}ms"
+    return f"{policy}@k{spread.routers}-{spread.spread}-{sharing}"
 
 
 Job = Callable[[], tuple[ReplayResult, float]]
@@ -127,6 +168,11 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--policies: expected some of {', '.join(POLICY_NAMES)}, got {args.policies!r}")
         if args.replicas < 1 or args.speedup <= 0:
             raise ConfigError("--replicas must be at least 1 and --speedup positive")
+        sharing = share_delays(args.share_delay_ms)
+        spreads = [
+            RouterSpread(routers=args.routers, spread=args.spread, seed=args.seed, share_delay_s=delay)
+            for delay in (sharing if args.routers > 1 else [0.0])
+        ]
         profile = get_profile(args.profile)
         trace = load_trace(args.trace, speedup=args.speedup, block_tokens=args.block_tokens, limit=args.limit)
         trace = hot_spot(trace, share=args.hot_share, start=args.hot_start, prefix_blocks=args.hot_prefix_blocks)
@@ -161,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     )
     floors = None if args.no_floor else floor_ttfts(trace.requests, prompts, engine_factory)
 
-    def job_for(name: str) -> Job:
+    def job_for(name: str, spread: RouterSpread) -> Job:
         def job() -> tuple[ReplayResult, float]:
             began = time.process_time()
             clock = VirtualClock()
@@ -171,16 +217,19 @@ def run(args: argparse.Namespace) -> int:
                 catalog=catalog,
                 policy=replay_policy_object(name, settings, clock),
                 engine_factory=engine_factory,
-                options=options,
+                options=dataclasses.replace(options, routers=spread),
                 clock=clock,
+                policy_factory=lambda: replay_policy_object(name, settings, clock),
             )
+            result.policy = row_label(name, spread)
             return result, time.process_time() - began
 
         return job
 
-    outcomes = run_jobs([job_for(name) for name in policies], args.jobs)
+    rows = [(name, spread) for name in policies for spread in spreads]
+    outcomes = run_jobs([job_for(name, spread) for name, spread in rows], args.jobs)
     results = [result for result, _ in outcomes]
-    timings = {name: seconds for name, (_, seconds) in zip(policies, outcomes, strict=True)}
+    timings = {result.policy: seconds for result, seconds in outcomes}
     summaries = [summarize(result, floors) for result in results]
     meta = {
         "trace": str(args.trace),
@@ -192,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         "scrape_interval_s": args.scrape_interval,
         "overrides": args.overrides,
         "lost_removals": args.lost_removals,
+        "routers": {"count": args.routers, "spread": args.spread, "share_delay_ms": args.share_delay_ms},
         "replicate": args.replicate,
         "drain": {"at_s": args.drain_at, "warm": args.drain_warm},
         "hot_spot": {"share": args.hot_share, "start": args.hot_start, "prefix_blocks": args.hot_prefix_blocks},

@@ -33,6 +33,7 @@ from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import IndexWriter
 from kvrouter.policies.base import Policy
 from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog, SizedPrompt
+from kvrouter.replay.routers import LoadReport, RouterInstance, RouterSpread, Spreader, deliver
 from kvrouter.replay.trace import TraceRequest
 from kvrouter.routing.feedback import FeedbackLookup
 from kvrouter.routing.lifecycle import Routed, tell_cleared
@@ -46,7 +47,7 @@ from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
 
 EngineFactory = Callable[[], EngineModel]
 
-_PASS_END, _KV_EVENTS, _SCRAPE, _DRAIN, _ARRIVAL, _PASS_START = range(6)
+_PASS_END, _KV_EVENTS, _LOAD_SHARE, _SCRAPE, _DRAIN, _ARRIVAL, _PASS_START = range(7)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,8 @@ class ReplayOptions:
     whole_answers: bool = False
     """The router hears each first token only when the answer ends (live: non-streaming requests with
     `assemble_non_streaming` off); the records keep the engine's real first-token time."""
+    routers: RouterSpread = field(default_factory=RouterSpread)
+    """K router instances and how they share load (`kvrouter.replay.routers`); the default is one router."""
 
 
 @dataclass(slots=True)
@@ -140,33 +143,30 @@ class Replay:
         engine_factory: EngineFactory,
         options: ReplayOptions | None = None,
         clock: VirtualClock | None = None,
+        policy_factory: Callable[[], Policy] | None = None,
     ) -> None:
         self.options = options or ReplayOptions()
         self.requests = requests
         self.prompts = prompts
         self.catalog = catalog
         self.clock = clock or VirtualClock()
-        self.index = PrefixIndex(provisional_ttl_s=self.options.provisional_ttl_s)
-        self.load = LoadBook()
-        overlays = build_overlays(
-            self.index,
-            self.load,
-            feedback=self.options.feedback,
-            survival=self.options.survival,
-            prefill_tokens_per_s=self.options.prefill_tokens_per_s,
-        )
-        self.survival: SurvivalLookup | None = overlays.survival
-        self.feedback: FeedbackLookup | None = overlays.feedback
-        self.event_listeners = overlays.event_listeners
+        spread = self.options.routers
+        if spread.routers > 1 and policy_factory is None:
+            raise ValueError("several routers need a policy_factory (each instance has its own policy)")
+        self.instances = [
+            self._instance(number, policy if number == 0 or policy_factory is None else policy_factory())
+            for number in range(spread.routers)
+        ]
+        first = self.instances[0]
+        self.index = first.index
+        self.load = first.load
+        self.survival: SurvivalLookup | None = first.survival
+        self.feedback: FeedbackLookup | None = first.feedback
+        self.event_listeners = first.event_listeners
         self.policy = policy
-        self.router = Router(
-            policy=policy,
-            load=self.load,
-            index=overlays.lookup,
-            hash_seed=self.options.hash_seed,
-            listeners=overlays.request_listeners,
-            clock=self.clock,
-        )
+        self.router = first.router
+        self._spreader = Spreader(spread)
+        self._instance_of: dict[str, RouterInstance] = {}
         self._removals_lost = 0.0
         self.engines = [_Engine(name, engine_factory()) for name in replica_names(self.options.replicas)]
         block_size = self.engines[0].model.block_size
@@ -193,6 +193,39 @@ class Replay:
     def now(self) -> float:
         return self.clock.now
 
+    def _instance(self, number: int, policy: Policy) -> RouterInstance:
+        index = PrefixIndex(provisional_ttl_s=self.options.provisional_ttl_s)
+        load = LoadBook()
+        overlays = build_overlays(
+            index,
+            load,
+            feedback=self.options.feedback,
+            survival=self.options.survival,
+            prefill_tokens_per_s=self.options.prefill_tokens_per_s,
+        )
+        router = Router(
+            policy=policy,
+            load=load,
+            index=overlays.lookup,
+            hash_seed=self.options.hash_seed,
+            listeners=overlays.request_listeners,
+            clock=self.clock,
+        )
+        return RouterInstance(
+            f"router-{number}", index, load, router, overlays.event_listeners, overlays.survival, overlays.feedback
+        )
+
+    def _share(self, instance: RouterInstance, replica: ReplicaName, keys: Sequence[BlockKey] = ()) -> None:
+        """`instance`'s own load on `replica` changed: the others hear it after the share delay (if shared)."""
+        delay = self.options.routers.share_delay_s
+        if delay is None or len(self.instances) == 1:
+            return
+        report = LoadReport(self.instances.index(instance), replica, instance.load.own()[replica], tuple(keys))
+        if delay == 0:
+            deliver(self.instances, report, self.now)
+        else:
+            self._push(self.now + delay, _LOAD_SHARE, report)
+
     def _push(self, time: float, kind: int, payload: object) -> None:
         self._sequence += 1
         heapq.heappush(self._heap, (time, kind, self._sequence, payload))
@@ -218,6 +251,8 @@ class Replay:
             elif kind == _KV_EVENTS:
                 engine, events = cast(tuple[_Engine, list[KvEvent]], payload)
                 self._apply_events(engine.name, events)
+            elif kind == _LOAD_SHARE:
+                deliver(self.instances, cast(LoadReport, payload), time)
             elif kind == _SCRAPE:
                 self._scrape()
             elif kind == _DRAIN:
@@ -240,11 +275,15 @@ class Replay:
             max_tokens=request.output_length,
             _keys={block_size: prepared.keys},
         )
-        decision = self.router.decide(facts, self.routes)
+        instance = self.instances[self._spreader.pick()]
+        instance.routed += 1
+        decision = instance.router.decide(facts, self.routes)
         engine = self._by_name[decision.chosen]
-        routed = self.router.commit(decision, facts, self._route_of[engine.name])
+        routed = instance.router.commit(decision, facts, self._route_of[engine.name])
         request_id = str(request.index)
         self._routed[request_id] = routed
+        self._instance_of[request_id] = instance
+        self._share(instance, engine.name, routed.keys)
         chosen = decision.score_of(decision.chosen)
         if chosen is not None and self.heat is not None:
             cached_blocks = chosen.cached_tokens // block_size
@@ -304,6 +343,7 @@ class Replay:
             if not self.options.whole_answers:
                 routed.first_token(now)
             records[request_id].first_token = now
+            self._share(self._instance_of[request_id], routed.replica)
         for request_id, cached in result.cached_tokens.items():
             record = records.get(request_id)
             if record is None:
@@ -323,6 +363,7 @@ class Replay:
             routed.first_token(now)  # a no-op unless whole answers hid the first token until now
             routed.served(self._reported.pop(request_id, None), now)
             routed.finish(now)
+            self._share(self._instance_of.pop(request_id), routed.replica)
             records[request_id].finish = now
             self._unfinished -= 1
         if result.events:
@@ -372,34 +413,45 @@ class Replay:
             return True
         return False
 
-    def _store(self, replica: ReplicaName, hashes: list[EngineBlockHash], keys: list[BlockKey]) -> None:
-        self.index.store_keys(replica, hashes, keys)
-        for listener in self.event_listeners:
-            listener.on_stored(replica, keys, self.now)
-
     def _apply_events(self, replica: ReplicaName, events: Sequence[KvEvent]) -> None:
+        """Every router instance follows the same events (the event plane is shared, losses included)."""
+        lost = [isinstance(event, RemovedBlocks) and self._lost(replica) for event in events]
+        for instance in self.instances:
+            self._apply_to(instance, replica, events, lost)
+
+    def _apply_to(
+        self, instance: RouterInstance, replica: ReplicaName, events: Sequence[KvEvent], lost: Sequence[bool]
+    ) -> None:
         """Events in order, consecutive stores batched into one index call."""
         key_of = self.catalog.keys_by_hash.get
-        index: IndexWriter = self.index
+        index: IndexWriter = instance.index
+        listeners = instance.event_listeners
+        now = self.now
+
+        def store(hashes: list[EngineBlockHash], keys: list[BlockKey]) -> None:
+            index.store_keys(replica, hashes, keys)
+            for listener in listeners:
+                listener.on_stored(replica, keys, now)
+
         hashes: list[EngineBlockHash] = []
         keys: list[BlockKey] = []
-        for event in events:
+        for event, dropped in zip(events, lost, strict=True):
             if isinstance(event, RemovedBlocks):
                 if hashes:
-                    self._store(replica, hashes, keys)
+                    store(hashes, keys)
                     hashes, keys = [], []
-                if self._lost(replica):
+                if dropped:
                     continue
-                if self.event_listeners:
+                if listeners:
                     removed = [key for key in map(key_of, event.block_hashes) if key is not None]
-                    for listener in self.event_listeners:
-                        listener.on_removed(replica, removed, self.now)
+                    for listener in listeners:
+                        listener.on_removed(replica, removed, now)
                 # Output blocks were never stored (their tokens are not in the trace): the index skips them.
                 index.remove_blocks(replica, cast(tuple[EngineBlockHash, ...], event.block_hashes))
             elif isinstance(event, CacheCleared):
                 hashes, keys = [], []
                 index.clear(replica)
-                tell_cleared(self.event_listeners, replica, self.now)
+                tell_cleared(listeners, replica, now)
             else:
                 found = list(map(key_of, event.block_hashes))
                 if None not in found:
@@ -411,12 +463,14 @@ class Replay:
                             hashes.append(EngineBlockHash(block_hash))
                             keys.append(key)
         if hashes:
-            self._store(replica, hashes, keys)
+            store(hashes, keys)
 
     def _scrape(self) -> None:
         for engine in self.engines:
             gauges = engine.model.gauges()
-            self.load.observe_engine(engine.name, EngineGauges(gauges.num_waiting, gauges.num_running, gauges.kv_usage))
+            sample = EngineGauges(gauges.num_waiting, gauges.num_running, gauges.kv_usage)
+            for instance in self.instances:
+                instance.load.observe_engine(engine.name, sample)
         if self._unfinished > 0:
             self._push(self.now + self.options.scrape_interval_s, _SCRAPE, None)
 
@@ -430,6 +484,7 @@ def replay_policy(
     engine_factory: EngineFactory,
     options: ReplayOptions | None = None,
     clock: VirtualClock | None = None,
+    policy_factory: Callable[[], Policy] | None = None,
 ) -> ReplayResult:
     return Replay(
         requests=requests,
@@ -439,6 +494,7 @@ def replay_policy(
         engine_factory=engine_factory,
         options=options,
         clock=clock,
+        policy_factory=policy_factory,
     ).run()
 
 

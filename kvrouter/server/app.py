@@ -36,13 +36,18 @@ from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import CountingIndexWriter
 from kvrouter.metrics import RouterMetrics
 from kvrouter.policies import build_policy
+from kvrouter.redisplane.loadplane import LoadPlaneCollector, RedisLoadPlane, build_load_plane, instance_name
 from kvrouter.redisplane.wiring import build_follower
 from kvrouter.routing.lifecycle import EventListener, RequestListener, tell_cleared
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.overlays import overlays_from_settings
+from kvrouter.routing.quality import RoutingQuality, SaturationConfig
 from kvrouter.routing.router import PrefixLookup, PromptTokenizer, Router
+from kvrouter.routing.sharing import LoadShare, ShareLimits
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
+from kvrouter.server.local_loadplane import LocalLoadPlane
 from kvrouter.server.proxy import Proxy
+from kvrouter.server.quality_metrics import QualityCollector
 from kvrouter.server.replicas import ReplicaSet
 from kvrouter.server.status import EVENT_STREAMS
 from kvrouter.tokenization import HfPromptTokenizer
@@ -164,6 +169,41 @@ def create_app(
     app[EDGE] = edge
     load = LoadBook()
     prefix = build_prefix_parts(settings, fleet, metrics, clock, load)
+    replicas = ReplicaSet(fleet, settings, load, metrics, clock)
+    quality = RoutingQuality()
+    share = None
+    sharing = settings.redis_url is not None or settings.load_share_dir is not None
+    if settings.load_share and sharing:
+        # Shared load (kvrouter/routing/sharing.py): this instance's own counts out, the other instances' in.
+        share = LoadShare(
+            instance_name(),
+            load,
+            lambda: [state.name for state in replicas],
+            lookup=prefix.lookup,
+            limits=ShareLimits(expiry_s=settings.load_share_expiry_s, prefix_blocks=settings.load_share_prefix_blocks),
+        )
+        plane: RedisLoadPlane | LocalLoadPlane
+        if settings.redis_url is not None:
+            plane = build_load_plane(
+                settings.redis_url,
+                share,
+                metrics.registry,
+                interval_s=settings.load_share_interval_s,
+                heartbeat_s=settings.load_share_heartbeat_s,
+                clock=clock,
+            )
+        else:
+            # One host, no Redis (`--workers`): Unix datagrams in a private directory (local_loadplane).
+            assert settings.load_share_dir is not None
+            plane = LocalLoadPlane(
+                share,
+                settings.load_share_dir,
+                interval_s=settings.load_share_interval_s,
+                heartbeat_s=settings.load_share_heartbeat_s,
+                clock=clock,
+            )
+            metrics.registry.register(LoadPlaneCollector(plane))
+        prefix.contexts.append(plane.context)
     router = Router(
         policy=build_policy(settings.policy, settings, clock=clock),
         load=load,
@@ -171,10 +211,11 @@ def create_app(
         tokenizer=prefix.tokenizer,
         hash_seed=fleet.hash_seed,
         lora_adapters=fleet.lora_adapters,
-        listeners=prefix.request_listeners,
+        listeners=[*prefix.request_listeners, quality, *([share] if share is not None else [])],
         clock=clock,
     )
-    replicas = ReplicaSet(fleet, settings, load, metrics, clock)
+    saturation = SaturationConfig(settings.kv_prefill_tokens_per_s, settings.saturation_queue_s)
+    metrics.registry.register(QualityCollector(quality, replicas, load, saturation))
     forget = forget_replica(prefix.index, prefix.event_listeners, clock)
     replicas.on_gone = forget
     proxy = Proxy(settings=settings, router=router, replicas=replicas, load=load, metrics=metrics, clock=clock)

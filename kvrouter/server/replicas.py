@@ -249,7 +249,7 @@ class ReplicaSet:
     def update_gauges(self) -> None:
         for replica in self.replicas:
             self._metrics.replica_healthy.labels(replica.name).set(1.0 if replica.routable else 0.0)
-            self._metrics.in_flight.labels(replica.name).set(self._load.snapshot(replica.name).in_flight)
+            self._metrics.in_flight.labels(replica.name).set(self._load.own_in_flight(replica.name))
 
     async def probe(self, session: aiohttp.ClientSession, replica: ReplicaState) -> bool:
         timeout = aiohttp.ClientTimeout(total=max(self._settings.health_interval_s, 1.0))

@@ -5,7 +5,9 @@ none inherits the parent's threads) and supervises them: a worker that dies is s
 ``restart_delay_s``; SIGTERM/SIGINT is passed on, and each worker drains its in-flight requests within
 ``shutdown_grace_s`` as a single router would; SIGHUP is passed on too (every worker reloads replicas.yaml).
 The kernel spreads new connections over the workers' listening sockets. Each worker is a complete router with
-its own index, so they should share one view of the engines' caches: with ``--redis-url`` every worker follows
+its own index and load book; they share their load (through Redis with ``--redis-url``, else over Unix
+datagrams in a private directory the supervisor makes: kvrouter/server/local_loadplane.py), and they should share
+one view of the engines' caches: with ``--redis-url`` every worker follows
 the relay's streams in Redis (the intended set-up); without it each worker subscribes to every engine's ZMQ
 publisher itself, which works only when the engines bind (a router that binds its own endpoint,
 ``kv_events.bind``, cannot be repeated N times).
@@ -17,8 +19,11 @@ import logging
 import multiprocessing
 import multiprocessing.process
 import os
+import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 from types import FrameType
 
 from kvrouter.config import ConfigError, FleetConfig, Settings
@@ -79,6 +84,18 @@ class Supervisor:
                 os.kill(process.pid, signal.SIGHUP)
 
     def run(self) -> int:
+        shared_dir = None
+        if self.settings.redis_url is None and self.settings.load_share and self.settings.load_share_dir is None:
+            # Without Redis the workers share load over Unix datagrams in a directory only this user can enter.
+            shared_dir = Path(tempfile.mkdtemp(prefix="kvrouter-load-"))
+            self.settings = self.settings.model_copy(update={"load_share_dir": shared_dir})
+        try:
+            return self._supervise()
+        finally:
+            if shared_dir is not None:
+                shutil.rmtree(shared_dir, ignore_errors=True)
+
+    def _supervise(self) -> int:
         signal.signal(signal.SIGTERM, self._stop_signal)
         signal.signal(signal.SIGINT, self._stop_signal)
         signal.signal(signal.SIGHUP, self._reload_signal)

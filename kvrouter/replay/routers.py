@@ -1,0 +1,101 @@
+"""Several router instances in one replay: each with its own prefix index, load book, policy and overlays.
+
+This is `kvrouter replay --routers K`: K routers in front of one fleet, as K pods behind a Service. Every
+instance's index follows the same KV events (the event plane is shared, directly or through Redis), but each
+counts only the load it routed itself, unless load is shared: then each change of an instance's own counts on
+a replica (a request routed, its first token, its end) reaches every other instance `delay_s` later, as the
+live load plane (`kvrouter.redisplane.loadplane`) delivers it, and so do the provisional prefixes it marked when
+routing. Arrivals are spread over the instances round-robin, or at random from `seed` (a plain load balancer).
+
+Knobs (`RouterSpread`): `routers` (K), `spread` (`round_robin` | `random`), `seed`, `share_delay_s` (None: no
+sharing; 0: instant).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvrouter.index import PrefixIndex
+from kvrouter.routing.feedback import FeedbackLookup
+from kvrouter.routing.lifecycle import EventListener
+from kvrouter.routing.load import LoadBook, OwnLoad
+from kvrouter.routing.router import Router
+from kvrouter.routing.survival import SurvivalLookup
+from kvrouter.typedefs import BlockKey, ReplicaName
+
+SPREADS = ("round_robin", "random")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpread:
+    routers: int = 1
+    spread: str = "round_robin"
+    seed: int = 0
+    share_delay_s: float | None = 0.0
+    """Seconds before an instance's load change reaches the others; None: load is not shared at all."""
+
+    def __post_init__(self) -> None:
+        if self.routers < 1:
+            raise ValueError("routers must be at least 1")
+        if self.spread not in SPREADS:
+            raise ValueError(f"spread must be one of {', '.join(SPREADS)}, got {self.spread!r}")
+        if self.share_delay_s is not None and self.share_delay_s < 0:
+            raise ValueError("share_delay_s must not be negative")
+
+
+@dataclass(slots=True)
+class RouterInstance:
+    """One router of the replay: the objects a live router process would hold."""
+
+    name: str
+    index: PrefixIndex
+    load: LoadBook
+    router: Router
+    event_listeners: list[EventListener]
+    survival: SurvivalLookup | None = None
+    feedback: FeedbackLookup | None = None
+    routed: int = 0
+    """Requests this instance took."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What one instance tells the others: its own counts on one replica, or a prefix it just routed there."""
+
+    source: int
+    replica: ReplicaName
+    load: OwnLoad | None = None
+    keys: tuple[BlockKey, ...] = ()
+
+
+class Spreader:
+    """Which instance takes each arrival (pure; deterministic from the seed)."""
+
+    def __init__(self, spread: RouterSpread) -> None:
+        self.spread = spread
+        self._random = random.Random(spread.seed)
+        self._turn = 0
+
+    def pick(self) -> int:
+        count = self.spread.routers
+        if count == 1:
+            return 0
+        if self.spread.spread == "random":
+            return self._random.randrange(count)
+        self._turn += 1
+        return (self._turn - 1) % count
+
+
+def deliver(instances: list[RouterInstance], report: LoadReport, now: float) -> None:
+    """`report` reaches every instance but its source."""
+    for number, instance in enumerate(instances):
+        if number == report.source:
+            continue
+        if report.load is not None:
+            instance.load.fold_peer(instances[report.source].name, report.replica, report.load)
+        if report.keys and instance.router.index is not None:
+            instance.router.index.add_provisional(report.replica, report.keys, now)
+
+
+__all__ = ["SPREADS", "LoadReport", "RouterInstance", "RouterSpread", "Spreader", "deliver"]

@@ -1,0 +1,237 @@
+"""Shared load between router instances of one fleet: what an instance publishes and how it folds in the others'.
+
+Each instance counts only what it routed itself (`LoadBook`). `LoadShare` turns that into a report — its own
+counts per replica (in flight, pending prefill tokens, decoding requests) plus the prefixes it routed since its
+last report (each one's leading block keys, which peers mark provisional on that replica, as this instance did)
+— and folds the reports of the other instances into the same load book. Reports are absolute, not increments, so
+a lost, repeated or late one does no lasting harm; a peer that stops reporting (it died, or lost Redis) is dropped
+`expiry_s` after its last report, so its share stops counting. The transport (Redis pub/sub,
+`kvrouter.redisplane.loadplane`; without Redis, between `--workers` processes, Unix datagrams:
+`kvrouter.server.local_loadplane`) only moves bytes: this module is pure and clock-free (`now` is an argument).
+
+Hostile peers. A report is decoded at the edge into `LoadReport` (msgspec, typed) and then checked whole: counts
+negative, above `max_in_flight` requests, decoding more than in flight, or more than `max_tokens_per_request`
+pending tokens per request in flight (so 10^12 tokens is refused), prefixes not in whole 8-byte keys or longer than
+`max_prefix_blocks`: the whole report is ignored and counted by reason (`problems`), the peer's previous report
+stays until it expires. Replicas this instance does not route to are skipped (`unknown_replica`), reports older
+than one already folded from the same peer are skipped (`stale`), and this instance's own echo is ignored.
+
+Knobs (`Settings`, `KVROUTER_LOAD_SHARE_*`): `interval_s` (how often the shell publishes a changed report),
+`heartbeat_s` (publish even when nothing changed, so peers keep this instance and newcomers learn it),
+`expiry_s`, `prefix_blocks` (leading blocks of a routed prefix shared with peers).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from kvrouter.routing.lifecycle import Routed
+from kvrouter.routing.load import LoadBook, OwnLoad
+from kvrouter.routing.router import PrefixLookup
+from kvrouter.typedefs import BlockKey, ReplicaName
+
+WIRE_VERSION = 1
+
+
+class ReplicaCounts(msgspec.Struct, array_like=True, frozen=True):
+    replica: str
+    in_flight: int
+    pending_prefill_tokens: int
+    decode_requests: int
+
+
+class RoutedPrefix(msgspec.Struct, array_like=True, frozen=True):
+    replica: str
+    keys: bytes
+    """Leading block keys, little-endian u64 each."""
+
+
+class LoadReport(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    instance: str
+    seq: int
+    replicas: list[ReplicaCounts]
+    prefixes: list[RoutedPrefix] = []
+
+
+@dataclass(frozen=True, slots=True)
+class ShareLimits:
+    expiry_s: float = 3.0
+    prefix_blocks: int = 256
+    max_in_flight: int = 100_000
+    max_tokens_per_request: int = 4_194_304
+    max_instance_chars: int = 128
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(LoadReport)
+
+
+def _pack_keys(keys: Sequence[BlockKey]) -> bytes:
+    return b"".join(int(key).to_bytes(8, "little") for key in keys)
+
+
+def _unpack_keys(blob: bytes) -> list[BlockKey]:
+    return [BlockKey(int.from_bytes(blob[at : at + 8], "little")) for at in range(0, len(blob), 8)]
+
+
+@dataclass(slots=True)
+class _Peer:
+    seq: int
+    seen: float
+
+
+class LoadShare:
+    """One instance's side of load sharing; also a `RequestListener` (it hears what the router routes)."""
+
+    def __init__(
+        self,
+        instance: str,
+        load: LoadBook,
+        replicas: Callable[[], Collection[ReplicaName]],
+        *,
+        lookup: PrefixLookup | None = None,
+        limits: ShareLimits | None = None,
+    ) -> None:
+        self.instance = instance
+        self.load = load
+        self.replicas = replicas
+        """The fleet's replicas now (a reload changes them): reports about others do not count."""
+        self.lookup = lookup
+        self.limits = limits or ShareLimits()
+        self.problems: Counter[str] = Counter()
+        self.reports_folded = 0
+        self.expired = 0
+        self._seq = 0
+        self._peers: dict[str, _Peer] = {}
+        self._routed: list[RoutedPrefix] = []
+        self._last: tuple[tuple[str, int, int, int], ...] | None = None
+
+    # -- RequestListener: only the commit matters (it is when the provisional prefix is marked) --------------
+
+    def on_commit(self, routed: Routed) -> None:
+        keys = routed.keys[: self.limits.prefix_blocks]
+        if keys:
+            self._routed.append(RoutedPrefix(str(routed.replica), _pack_keys(keys)))
+
+    def on_first_token(self, routed: Routed, now: float) -> None:
+        return
+
+    def on_served(self, routed: Routed, cached_tokens: int, now: float) -> None:
+        return
+
+    def on_finish(self, routed: Routed, now: float) -> None:
+        return
+
+    # -- publishing -------------------------------------------------------------------------------------------
+
+    def changed(self) -> bool:
+        """Whether a report would say something the last one did not (counts moved, or prefixes were routed)."""
+        return bool(self._routed) or self._counts() != self._last
+
+    def report(self, max_bytes: int | None = None) -> bytes:
+        """The next report to publish (it takes the prefixes routed since the last one). With `max_bytes` (a
+        datagram's limit) the newest prefixes that do not fit are left out: they are provisional hints, and the
+        KV events bring the truth shortly after."""
+        counts = self._counts()
+        self._last = counts
+        self._seq += 1
+        prefixes, self._routed = self._routed, []
+        replicas = [ReplicaCounts(*entry) for entry in counts]
+        payload = _encoder.encode(LoadReport(WIRE_VERSION, self.instance, self._seq, replicas, prefixes))
+        while max_bytes is not None and len(payload) > max_bytes and prefixes:
+            prefixes = prefixes[: len(prefixes) // 2]
+            payload = _encoder.encode(LoadReport(WIRE_VERSION, self.instance, self._seq, replicas, prefixes))
+        return payload
+
+    def _counts(self) -> tuple[tuple[str, int, int, int], ...]:
+        own = self.load.own()
+        fleet = self.replicas()
+        return tuple(
+            (str(replica), load.in_flight, load.pending_prefill_tokens, load.decode_requests)
+            for replica, load in sorted(own.items())
+            if replica in fleet
+        )
+
+    # -- folding in ---------------------------------------------------------------------------------------------
+
+    def receive(self, payload: bytes, now: float) -> bool:
+        """Fold one peer report in; False (and counted) when it was refused. Never raises."""
+        try:
+            report = _decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+            self.problems["undecodable"] += 1
+            return False
+        if report.instance == self.instance:
+            return False  # our own echo
+        fleet = set(self.replicas())
+        reason = self._refusal(report, len(fleet))
+        if reason is not None:
+            self.problems[reason] += 1
+            return False
+        peer = self._peers.get(report.instance)
+        if peer is not None and report.seq <= peer.seq:
+            self.problems["stale"] += 1
+            return False
+        self._peers[report.instance] = _Peer(report.seq, now)
+        reported = set()
+        for entry in report.replicas:
+            replica = ReplicaName(entry.replica)
+            if replica not in fleet:
+                self.problems["unknown_replica"] += 1
+                continue
+            reported.add(replica)
+            load = OwnLoad(entry.in_flight, entry.pending_prefill_tokens, entry.decode_requests)
+            self.load.fold_peer(report.instance, replica, load)
+        for replica in fleet - reported:
+            # A replica missing from a report carries nothing from that peer (it never routed there).
+            self.load.fold_peer(report.instance, replica, OwnLoad(0, 0, 0))
+        if self.lookup is not None:
+            for prefix in report.prefixes:
+                replica = ReplicaName(prefix.replica)
+                if replica in fleet:
+                    self.lookup.add_provisional(replica, _unpack_keys(prefix.keys), now)
+        self.reports_folded += 1
+        return True
+
+    def _refusal(self, report: LoadReport, fleet_size: int) -> str | None:
+        limits = self.limits
+        if report.version != WIRE_VERSION:
+            return "version"
+        if not report.instance or len(report.instance) > limits.max_instance_chars or report.seq < 0:
+            return "bad_instance"
+        if len(report.replicas) > 4 * fleet_size + 64:
+            return "too_many_replicas"
+        for entry in report.replicas:
+            in_flight, pending, decoding = entry.in_flight, entry.pending_prefill_tokens, entry.decode_requests
+            if min(in_flight, pending, decoding) < 0:
+                return "negative"
+            if in_flight > limits.max_in_flight or decoding > in_flight:
+                return "absurd_requests"
+            if pending > (in_flight - decoding) * limits.max_tokens_per_request:
+                return "absurd_tokens"
+        if len(report.prefixes) > limits.max_in_flight:
+            return "absurd_prefixes"
+        for prefix in report.prefixes:
+            if len(prefix.keys) % 8 or len(prefix.keys) > 8 * limits.prefix_blocks:
+                return "bad_prefix"
+        return None
+
+    def expire(self, now: float) -> list[str]:
+        """Drop the peers not heard from in `expiry_s`; returns who was dropped."""
+        gone = [name for name, peer in self._peers.items() if now - peer.seen > self.limits.expiry_s]
+        for name in gone:
+            del self._peers[name]
+            self.load.drop_peer(name)
+        self.expired += len(gone)
+        return gone
+
+    def peers(self) -> list[str]:
+        return sorted(self._peers)
+
+
+__all__ = ["WIRE_VERSION", "LoadReport", "LoadShare", "ReplicaCounts", "RoutedPrefix", "ShareLimits"]

@@ -1,0 +1,152 @@
+"""Several kvrouter instances behind one port, as pods behind a Service: for `kvrouter bench --router-cmd`.
+
+Starts a redis-server (no persistence, a free port), `kvrouter relay` (the replicas' KV events into Redis),
+`--routers` kvrouter instances in Redis mode (so they share the index and, unless `--no-share`, their load), and
+a plain TCP balancer on `--port` that hands each new client connection to the next instance in turn. Locust users
+keep their connection, so sessions spread over the instances as behind a connection-level load balancer.
+SIGTERM or SIGINT stops every process it started, by PID.
+
+    kvrouter bench --workload multi-tenant --policies '' \\
+      --router-cmd "k1=python loadtest/router_pool.py --port {port} --replicas {replicas_file} --routers 1" \\
+      --router-cmd "k3=python loadtest/router_pool.py --port {port} --replicas {replicas_file} --routers 3"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing ready at {url}")
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
+
+
+async def balance(port: int, backends: list[int], stop: asyncio.Event) -> None:
+    turn = itertools.cycle(backends)
+
+    async def handle(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", next(turn))
+        except OSError:
+            client_writer.close()
+            return
+        for sock in (client_writer, upstream_writer):
+            raw = sock.get_extra_info("socket")
+            if raw is not None:
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await asyncio.gather(pipe(client_reader, upstream_writer), pipe(upstream_reader, client_writer))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+    async with server:
+        await stop.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--replicas", type=Path, required=True)
+    parser.add_argument("--routers", type=int, default=3)
+    parser.add_argument("--policy", default="kv_aware")
+    parser.add_argument("--no-share", action="store_true", help="Routers do not share load (KVROUTER_LOAD_SHARE).")
+    args = parser.parse_args()
+    redis = shutil.which("redis-server")
+    if redis is None:
+        print("router_pool: redis-server is not on PATH", file=sys.stderr)
+        return 2
+    processes: list[subprocess.Popen[bytes]] = []
+    stop = asyncio.Event()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            redis_port = free_port()
+            processes.append(
+                subprocess.Popen(
+                    [redis, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                    cwd=tmp,
+                    stdout=subprocess.DEVNULL,
+                )
+            )
+            url = f"redis://127.0.0.1:{redis_port}/0"
+            kvrouter = [sys.executable, "-m", "kvrouter.cli"]
+            env = {**os.environ, "KVROUTER_LOAD_SHARE": "false" if args.no_share else "true"}
+            processes.append(
+                subprocess.Popen([*kvrouter, "relay", "--replicas", str(args.replicas), "--redis-url", url], env=env)
+            )
+            ports = [free_port() for _ in range(args.routers)]
+            for port in ports:
+                argv = [
+                    *kvrouter, "--replicas", str(args.replicas), "--host", "127.0.0.1", "--port", str(port),
+                    "--policy", args.policy, "--redis-url", url, "--log-level", "warning",
+                ]  # fmt: skip
+                processes.append(subprocess.Popen(argv, cwd=REPO, env=env))
+            for port, process in zip(ports, processes[2:], strict=True):
+                wait_http(f"http://127.0.0.1:{port}/ready", process)
+
+            def on_signal(signum: int, _frame: object) -> None:
+                stop.set()
+
+            signal.signal(signal.SIGTERM, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
+
+            async def serve() -> None:
+                loop = asyncio.get_running_loop()
+                for signum in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(signum, stop.set)
+                await balance(args.port, ports, stop)
+
+            asyncio.run(serve())
+        finally:
+            for process in reversed(processes):
+                if process.poll() is None:
+                    process.terminate()
+            for process in reversed(processes):
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Shared load between router instances: the pure core (reports, folding, hostile peers, expiry) and the Redis
+load plane between two real routers on a real redis-server, fake replicas on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
+
+from kvrouter.config import load_fleet
+from kvrouter.index import PrefixIndex
+from kvrouter.redisplane.loadplane import CHANNEL, load_plane_client
+from kvrouter.routing.load import LoadBook
+from kvrouter.routing.sharing import LoadReport, LoadShare, ReplicaCounts, RoutedPrefix, ShareLimits
+from kvrouter.server.app import LOAD, create_app
+from kvrouter.typedefs import BlockKey, ReplicaName
+from tests.conftest import ReplicaFactory, eventually, router_settings
+from tests.redis_fixtures import RedisServer, redis_server  # noqa: F401  (fixture)
+
+A, B = ReplicaName("a"), ReplicaName("b")
+FLEET = (A, B)
+
+
+def share(name: str, book: LoadBook | None = None, index: PrefixIndex | None = None, **limits: Any) -> LoadShare:
+    return LoadShare(name, book or LoadBook(), lambda: FLEET, lookup=index, limits=ShareLimits(**limits))
+
+
+def raw(
+    instance: str, seq: int, *counts: tuple[str, int, int, int], prefixes: list[RoutedPrefix] | None = None
+) -> bytes:
+    report = LoadReport(1, instance, seq, [ReplicaCounts(*entry) for entry in counts], prefixes or [])
+    return msgspec.msgpack.encode(report)
+
+
+def view(book: LoadBook, replica: ReplicaName) -> tuple[int, int, int]:
+    load = book.snapshot(replica)
+    return load.in_flight, load.pending_prefill_tokens, load.decode_requests
+
+
+def test_a_report_carries_own_counts_and_routed_prefixes_to_the_peer() -> None:
+    book_x = LoadBook()
+    x = share("x", book_x)
+    book_x.begin(A, 700)
+    book_x.first_token(book_x.begin(A, 50))
+    index_y = PrefixIndex()
+    y = share("y", index=index_y)
+    assert x.changed()
+    assert y.receive(x.report(), now=0.0)
+    assert view(y.load, A) == (2, 700, 1) and view(y.load, B) == (0, 0, 0)
+    assert y.load.snapshot(A).peer_pending_prefill_tokens == 700
+    assert not x.changed()  # nothing moved since
+    # Prefixes routed by x are provisional on the same replica at y.
+    keys = [BlockKey(11), BlockKey(12), BlockKey(13)]
+    y.receive(
+        raw("x", 9, ("a", 1, 0, 1), prefixes=[RoutedPrefix("b", b"".join(k.to_bytes(8, "little") for k in keys))]), 1.0
+    )
+    assert index_y.longest_prefixes(keys, 1.0)[B].blocks == 3
+    assert view(y.load, A) == (1, 0, 1)
+
+
+def test_own_echo_stale_and_unknown_replicas_are_skipped() -> None:
+    y = share("y")
+    assert not y.receive(raw("y", 1, ("a", 5, 0, 0)), 0.0)  # its own echo
+    assert y.receive(raw("x", 5, ("a", 3, 0, 0), ("zz", 1, 0, 0)), 0.0)
+    assert not y.receive(raw("x", 4, ("a", 9, 0, 0)), 0.0)  # older than what was folded
+    assert view(y.load, A) == (3, 0, 0)
+    assert y.problems == {"unknown_replica": 1, "stale": 1}
+
+
+@pytest.mark.parametrize(
+    ("counts", "reason"),
+    [
+        (("a", -1, 0, 0), "negative"),
+        (("a", 1, -5, 0), "negative"),
+        (("a", 1, 10**12, 0), "absurd_tokens"),
+        (("a", 10**9, 10**12, 0), "absurd_requests"),
+        (("a", 2, 0, 3), "absurd_requests"),
+        (("a", 1, 100, 1), "absurd_tokens"),  # a decoding request has no prefill left
+    ],
+)
+def test_absurd_reports_are_ignored_whole_and_counted(counts: tuple[str, int, int, int], reason: str) -> None:
+    y = share("y")
+    assert y.receive(raw("x", 1, ("a", 2, 300, 0)), 0.0)
+    assert not y.receive(raw("x", 2, counts), 0.1)
+    assert y.problems == {reason: 1}
+    assert view(y.load, A) == (2, 300, 0)  # the last sane report still stands, until it expires
+    assert y.expire(3.05) == ["x"]
+    assert view(y.load, A) == (0, 0, 0)
+
+
+def test_garbage_and_malformed_reports_never_raise() -> None:
+    y = share("y")
+    for payload in (b"", b"\xff\x00garbage", msgspec.msgpack.encode({"instance": "x"}), msgspec.msgpack.encode([1])):
+        assert not y.receive(payload, 0.0)
+    assert not y.receive(raw("", 1), 0.0)
+    assert not y.receive(msgspec.msgpack.encode([2, "x", 1, []]), 0.0)
+    bad_prefix = [RoutedPrefix("a", b"123")]
+    assert not y.receive(raw("x", 1, ("a", 1, 1, 0), prefixes=bad_prefix), 0.0)
+    assert y.problems == {"undecodable": 4, "bad_instance": 1, "version": 1, "bad_prefix": 1}
+    assert y.peers() == [] and view(y.load, A) == (0, 0, 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.binary(max_size=200)
+    | st.builds(msgspec.msgpack.encode, st.recursive(st.integers(-(2**63), 2**63 - 1) | st.text(), st.lists))
+)
+def test_any_bytes_are_survived(payload: bytes) -> None:
+    y = share("y")
+    y.receive(payload, 0.0)
+    load = y.load.snapshot(A)
+    assert load.in_flight >= 0 and 0 <= load.pending_prefill_tokens <= 100_000 * 4_194_304
+
+
+def test_a_silent_peer_expires_and_a_live_one_stays() -> None:
+    y = share("y", expiry_s=2.0)
+    y.receive(raw("x", 1, ("a", 4, 0, 4)), 0.0)
+    y.receive(raw("w", 1, ("b", 1, 10, 0)), 0.0)
+    y.receive(raw("w", 2, ("b", 1, 10, 0)), 1.5)
+    assert y.expire(2.1) == ["x"]
+    assert view(y.load, A) == (0, 0, 0) and view(y.load, B) == (1, 10, 0)
+    assert y.peers() == ["w"] and y.expired == 1
+
+
+# -- the Redis load plane between two real routers ---------------------------------------------------------------
+
+
+def write_fleet(path: Path, replicas: list[Any]) -> Path:
+    path.write_text(yaml.safe_dump({"replicas": [{"name": r.name, "url": r.url} for r in replicas]}), "utf-8")
+    return path
+
+
+@pytest.mark.redis
+async def test_two_routers_share_load_and_ignore_a_hostile_peer(
+    aiohttp_client: Any,
+    tmp_path: Path,
+    fake_replicas: ReplicaFactory,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    hold = asyncio.Event()
+    replicas = await fake_replicas(2, hold=hold, chunks=2)
+    path = write_fleet(tmp_path / "replicas.yaml", replicas)
+    clients = []
+    for _ in range(2):
+        settings_ = router_settings(replicas=path, redis_url=redis_server.url, load_share_expiry_s=1.0)
+        clients.append(await aiohttp_client(create_app(settings_, load_fleet(path), registry=CollectorRegistry())))
+    a, b = clients
+    book_b = b.app[LOAD]
+    body = {"model": "fake-model", "prompt": "hello", "stream": True, "max_tokens": 4}
+    streams = [asyncio.create_task(a.post("/v1/completions", json=body)) for _ in range(3)]
+    # b counts a's three requests in flight without routing any itself.
+    took = await eventually(lambda: sum(book_b.snapshot(r.name).in_flight for r in replicas) == 3, what="shared")
+    assert book_b.in_flight_total() == 0 and book_b.peer_in_flight() == 3
+    assert took < 1.0
+
+    # A hostile client on the same channel: absurd and garbage reports change nothing, and are counted.
+    hostile = Redis.from_url(redis_server.url)
+    try:
+        await hostile.publish(CHANNEL, raw("evil", 1, ("r0", -7, 0, 0)))
+        await hostile.publish(CHANNEL, raw("evil", 2, ("r0", 1, 10**12, 0)))
+        await hostile.publish(CHANNEL, b"\x00not msgpack")
+    finally:
+        await hostile.aclose()
+    metrics = ""
+
+    async def scrape() -> str:
+        return await (await b.get("/metrics")).text()
+
+    for _ in range(200):
+        metrics = await scrape()
+        if 'kvrouter_load_share_problems_total{reason="undecodable"} 1.0' in metrics:
+            break
+        await asyncio.sleep(0.01)
+    assert 'kvrouter_load_share_problems_total{reason="negative"} 1.0' in metrics
+    assert 'kvrouter_load_share_problems_total{reason="absurd_tokens"} 1.0' in metrics
+    assert 'kvrouter_load_share_problems_total{reason="undecodable"} 1.0' in metrics
+    assert sum(book_b.snapshot(r.name).in_flight for r in replicas) == 3
+    assert "kvrouter_load_share_peers 1.0" in metrics
+
+    hold.set()
+    for stream in streams:
+        response = await stream
+        await response.read()
+    await eventually(lambda: sum(book_b.snapshot(r.name).in_flight for r in replicas) == 0, what="released")
+    # a stops publishing (its plane is torn down with the app): b drops it within the expiry.
+    await a.close()
+    await eventually(lambda: book_b.peers() == [], within_s=5.0, what="expired")
+
+
+@pytest.mark.parametrize(
+    ("url", "host", "port", "tls"),
+    [
+        ("redis+cluster://user:pw@h1:7000,h2:7001", "h1", 7000, False),
+        ("rediss+cluster://h1:7000,h2:7001?ssl_cert_reqs=none", "h1", 7000, True),
+        ("redis://x:6379/2", "x", 6379, False),
+    ],
+)
+def test_the_load_plane_publishes_through_one_node(url: str, host: str, port: int, tls: bool) -> None:
+    """On a Cluster a PUBLISH reaches every node's subscribers: one plain connection to the first seed serves."""
+    client = load_plane_client(url)
+    settings = client.connection_pool.connection_kwargs
+    assert (settings["host"], settings["port"]) == (host, port)
+    assert (client.connection_pool.connection_class.__name__ == "SSLConnection") is tls
+    if "user:pw" in url:
+        assert (settings["username"], settings["password"]) == ("user", "pw")

@@ -1,0 +1,148 @@
+"""Shared load without Redis: `--workers` processes over Unix datagrams (kvrouter/server/local_loadplane.py).
+Two planes in one process on real sockets, then `kvrouter --workers 2` in front of a slow replica process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvrouter.routing.load import LoadBook
+from kvrouter.routing.sharing import LoadShare, ShareLimits
+from kvrouter.server.local_loadplane import LocalLoadPlane
+from kvrouter.typedefs import ReplicaName
+from tests.conftest import eventually
+from tests.faults_support import ReplicaProcess
+from tests.redis_fixtures import free_port
+
+A = ReplicaName("a")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def share_dir() -> Iterator[Path]:
+    # Unix socket paths are short (108 bytes): a directory of its own under /tmp, not pytest's deep tmp_path.
+    directory = Path(tempfile.mkdtemp(prefix="kvr-load-", dir="/tmp"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def running(plane: LocalLoadPlane) -> AsyncIterator[LocalLoadPlane]:
+    task = asyncio.create_task(plane.run())
+    try:
+        await eventually(lambda: plane.stats.connected, what="bound")
+        yield plane
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def plane(name: str, directory: Path, book: LoadBook) -> LocalLoadPlane:
+    share = LoadShare(name, book, lambda: [A], limits=ShareLimits(expiry_s=0.5))
+    return LocalLoadPlane(share, directory, interval_s=0.01, heartbeat_s=0.1)
+
+
+async def test_two_processes_worth_of_planes_share_and_expire(share_dir: Path) -> None:
+    book_x, book_y = LoadBook(), LoadBook()
+    async with running(plane("y", share_dir, book_y)) as y:
+        async with running(plane("x", share_dir, book_x)):
+            ticket = book_x.begin(A, 400)
+            await eventually(lambda: book_y.snapshot(A).in_flight == 1, what="shared")
+            assert book_y.snapshot(A).pending_prefill_tokens == 400 and book_y.in_flight_total() == 0
+            book_x.finish(ticket)
+            await eventually(lambda: book_y.snapshot(A).in_flight == 0, what="released")
+            # Garbage on y's socket is counted and changes nothing.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as hostile:
+                hostile.sendto(b"\x00garbage", str(y.path))
+            await eventually(lambda: y.share.problems["undecodable"] == 1, what="counted")
+            assert y.share.peers() == ["x"]
+            # A peer that died without cleaning up: its socket file stays, the next send removes it.
+            stale = share_dir / "dead.sock"
+            dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            dead.bind(str(stale))
+            dead.close()
+            book_x.begin(A, 1)
+            await eventually(lambda: not stale.exists(), what="stale socket removed")
+            await eventually(lambda: book_y.snapshot(A).in_flight == 1, what="shared again")
+        # x is gone with a request still counted: y drops its load within the expiry.
+        await eventually(lambda: y.share.peers() == [], within_s=3.0, what="expired")
+        assert book_y.snapshot(A).in_flight == 0
+    assert [name for name in os.listdir(share_dir) if name.endswith(".sock")] == []  # both removed their files
+
+
+async def test_workers_without_redis_each_count_every_workers_requests(tmp_path: Path) -> None:
+    replica = ReplicaProcess("r0", chunks=40, chunk_delay=0.25).start()
+    port = free_port()
+    fleet = tmp_path / "replicas.yaml"
+    fleet.write_text(yaml.safe_dump({"replicas": [{"name": "r0", "url": replica.url}]}))
+    command = [
+        sys.executable, "-m", "kvrouter.cli", "--replicas", str(fleet), "--host", "127.0.0.1", "--port", str(port),
+        "--workers", "2", "--health-interval", "60",
+    ]  # fmt: skip
+    log = (tmp_path / "router.log").open("wb")
+    parent = await asyncio.create_subprocess_exec(*command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    body = {"model": "fake-model", "prompt": "hi", "stream": True, "max_tokens": 40}
+    try:
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def scrape() -> tuple[float, float, float]:
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+                    text = await response.text()
+                values: dict[str, float] = {}
+                for family in text_string_to_metric_families(text):
+                    for sample in family.samples:
+                        values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                own = values.get("kvrouter_in_flight_requests", 0.0)
+                return (
+                    own,
+                    values.get("kvrouter_load_share_peer_in_flight", 0.0),
+                    values.get("kvrouter_load_share_peers", 0.0),
+                )
+
+            for _ in range(600):
+                with contextlib.suppress(aiohttp.ClientError):
+                    if (await scrape())[2] == 1.0:
+                        break
+                await asyncio.sleep(0.1)
+
+            async def one() -> int:
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+                    await response.read()
+                    return response.status
+
+            streams = [asyncio.create_task(one()) for _ in range(6)]
+            # Connections land on either worker; whichever answers the scrape counts all six requests.
+            seen = []
+            for _ in range(40):
+                own, peers, count = await scrape()
+                seen.append((own, peers, count))
+                if len([s for s in seen if s[0] + s[1] == 6 and s[2] == 1]) >= 10:
+                    break
+                await asyncio.sleep(0.1)
+            settled = [s for s in seen if s[0] + s[1] == 6 and s[2] == 1]
+            assert len(settled) >= 10, seen
+            assert {own for own, _, _ in settled} != {6.0}, "every scrape hit one worker holding all six"  # both seen
+            assert await asyncio.gather(*streams) == [200] * 6
+    finally:
+        if parent.returncode is None:
+            os.kill(parent.pid, signal.SIGTERM)
+            await asyncio.wait_for(parent.wait(), 60)
+        replica.kill()
