@@ -460,17 +460,15 @@ async def measure(args: argparse.Namespace, routers: list[RouterProcess], system
         spread = f"{min(values):,.0f}-{max(values):,.0f}"
         rate = statistics.median(rates[(name, who)])
         print(f"| {name} | {who} | {median:,.0f} ({spread}) | {1e6 / median:,.0f} | {rate:,.0f} |")
-    labels = sorted({who.split(" ")[0] for _, who in cpu})
-    if len(labels) == 2:
+    labels = {who.split(" ")[0] for _, who in cpu}
+    if labels == {"this", "base"}:
         print()
         for (name, who), values in cpu.items():
             label, policy = who.split(" ")
-            if label == labels[1]:
-                continue
-            other = cpu.get((name, f"{labels[1]} {policy}"))
-            if other:
-                ratio = statistics.median(values) / statistics.median(other)
-                print(f"  {name} {policy}: {label}/{labels[1]} = {ratio:.2f}")
+            base = cpu.get((name, f"base {policy}"))
+            if label == "this" and base:
+                ratio = statistics.median(values) / statistics.median(base)
+                print(f"  {name} {policy}: this checkout's CPU per request is {ratio:.2f}x the baseline's")
 
 
 async def workers_check(args: argparse.Namespace, tree: Path, config: Path, systems: list[str]) -> None:
