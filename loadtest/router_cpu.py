@@ -391,9 +391,12 @@ class RouterProcess:
     process: subprocess.Popen[bytes]
 
 
-def start_router(tree: Path, label: str, policy: str, config: Path, workers: int = 1) -> RouterProcess:
+def start_router(
+    tree: Path, label: str, policy: str, config: Path, workers: int = 1, settings: tuple[str, ...] = ()
+) -> RouterProcess:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
+    env.update(setting.split("=", 1) for setting in settings)
     env["PYTHONPATH"] = str(tree)
     argv = [
         sys.executable, "-m", "kvrouter.cli", "--replicas", str(config), "--host", "127.0.0.1",
@@ -522,7 +525,8 @@ def run_bench(args: argparse.Namespace, loop_factory: Callable[[], asyncio.Abstr
             processes.append(subprocess.Popen(replica_argv, cwd=REPO))
             for label, tree in trees:
                 for policy in args.policies:
-                    routers.append(start_router(tree, label, policy, config))
+                    settings = tuple(args.setting) if label == "this" else ()
+                    routers.append(start_router(tree, label, policy, config, settings=settings))
             with asyncio.Runner(loop_factory=loop_factory) as runner:
                 runner.run(measure(args, routers, systems))
                 if args.workers_check:
@@ -555,6 +559,13 @@ def main() -> int:
     parser.add_argument("--system-tokens", type=int, default=4000)
     parser.add_argument("--turns", type=int, default=8, help="requests per conversation (multiturn)")
     parser.add_argument("--no-events", dest="events", action="store_false", help="replicas publish no KV events")
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="KVROUTER_X=V",
+        help="a setting for this checkout's routers only (a knob against the baseline)",
+    )
     parser.add_argument("--workers-check", action="store_true", help="also --workers 2 vs 1 throughput")
     parser.add_argument("--serve-replicas", help=argparse.SUPPRESS)
     parser.add_argument("--event-ports", default="", help=argparse.SUPPRESS)
