@@ -15,7 +15,10 @@ matched before the tokenizer's pre-tokenizer runs, so the text on either side to
 render reuses the ids up to the last such boundary inside the longest shared prefix with a cached render and
 tokenizes only the rest. Added tokens for which splitting there is not exact on sample texts (overlapping added
 tokens, SentencePiece's "prepend to the first piece") are never used as boundaries. The result equals
-tokenizing from scratch (tests check it on every path).
+tokenizing from scratch (tests check it on every path, tests/test_tokenization_reuse.py over templates and texts).
+The hot path's costs: the shared prefix is found with memcmp (`_blockkeys.common_prefix`; slices without the
+extension), ids move in and out of the cache as 4-byte arrays, and the Rust tokenizer is called directly, its
+batch call releasing the GIL, as transformers does, without the wrapper's per-call checks.
 
 Hostile prompts (`PromptLimits`): a prompt longer than `max_chars` characters (message contents, tools,
 documents, prompt strings: counted before rendering) or `max_tokens` tokens (token-id prompts before anything,
