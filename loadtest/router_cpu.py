@@ -34,6 +34,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import shutil
 import socket
 import statistics
@@ -214,7 +215,10 @@ def _replica_protocol(events: _Events | None) -> type[asyncio.Protocol]:
                     return
                 body = self.buffer[end + 4 : end + 4 + length]
                 self.buffer = self.buffer[end + 4 + length :]
-                path = head.split(" ", 2)[1]
+                parts = head.split(" ", 2)
+                if len(parts) < 2:
+                    continue  # not a request line (a stray blank line between keep-alive requests): no answer
+                path = parts[1]
                 if path.startswith("/health"):
                     self.transport.write(self.HEALTH)
                 elif path.startswith("/metrics"):
@@ -405,6 +409,14 @@ def start_router(
     return RouterProcess(label, policy, port, subprocess.Popen(argv, cwd=tree, env=env))
 
 
+def start_peer(spec: str, worker_urls: list[str]) -> RouterProcess:
+    """Another router, `NAME=COMMAND` with `{port}` and `{worker_urls}` (space-separated) in COMMAND."""
+    name, _, template = spec.partition("=")
+    port = free_port()
+    command = template.format(port=port, worker_urls=" ".join(worker_urls))
+    return RouterProcess(name, "peer", port, subprocess.Popen(shlex.split(command), stdout=subprocess.DEVNULL))
+
+
 def write_config(path: Path, ports: list[int], event_ports: list[int], tokenizer: Path) -> None:
     lines = [f"tokenizer: '{tokenizer}'", f"block_size: {BLOCK_SIZE}", "replicas:"]
     for number, port in enumerate(ports):
@@ -527,6 +539,9 @@ def run_bench(args: argparse.Namespace, loop_factory: Callable[[], asyncio.Abstr
                 for policy in args.policies:
                     settings = tuple(args.setting) if label == "this" else ()
                     routers.append(start_router(tree, label, policy, config, settings=settings))
+            urls = [f"http://127.0.0.1:{port}" for port in ports]
+            for peer in args.peer:
+                routers.append(start_peer(peer, urls))
             with asyncio.Runner(loop_factory=loop_factory) as runner:
                 runner.run(measure(args, routers, systems))
                 if args.workers_check:
@@ -565,6 +580,9 @@ def main() -> int:
         default=[],
         metavar="KVROUTER_X=V",
         help="a setting for this checkout's routers only (a knob against the baseline)",
+    )
+    parser.add_argument(
+        "--peer", action="append", default=[], metavar="NAME=COMMAND", help="another router ({port}, {worker_urls})"
     )
     parser.add_argument("--workers-check", action="store_true", help="also --workers 2 vs 1 throughput")
     parser.add_argument("--serve-replicas", help=argparse.SUPPRESS)
