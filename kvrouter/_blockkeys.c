@@ -5,6 +5,9 @@
  * little-endian uint32 words. XXH3-64 is the official implementation (xxHash's single header, vendored unchanged
  * in kvrouter/_vendor/xxhash with its BSD licence, inlined here), the same code the `xxhash` package that the
  * Python path uses is built from; tests/test_blockkeys.py checks the two paths bit for bit.
+ *
+ * Also here, as the other hot loop over a request's prompt: `common_prefix`, the length of two strings' common
+ * prefix, for the tokenizer's render cache (kvrouter/tokenization.py; its pure twin bisects with slices).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -123,7 +126,35 @@ done:
     return result;
 }
 
+static PyObject *py_common_prefix(PyObject *module, PyObject *args) {
+    /* common_prefix(a, b) -> length of the longest common prefix of two str: memcmp over equal-width storage
+     * (whole 256-byte runs first), then code point by code point. */
+    PyObject *a, *b;
+    if (!PyArg_ParseTuple(args, "UU:common_prefix", &a, &b))
+        return NULL;
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(a) < 0 || PyUnicode_READY(b) < 0)
+        return NULL;
+#endif
+    Py_ssize_t la = PyUnicode_GET_LENGTH(a), lb = PyUnicode_GET_LENGTH(b);
+    Py_ssize_t n = la < lb ? la : lb;
+    int ka = PyUnicode_KIND(a), kb = PyUnicode_KIND(b);
+    const void *da = PyUnicode_DATA(a), *db = PyUnicode_DATA(b);
+    Py_ssize_t i = 0;
+    if (ka == kb) {
+        const unsigned char *pa = da, *pb = db;
+        size_t bytes = (size_t)n * (size_t)ka, offset = 0;
+        while (offset + 256 <= bytes && memcmp(pa + offset, pb + offset, 256) == 0)
+            offset += 256;
+        i = (Py_ssize_t)(offset / (size_t)ka);
+    }
+    while (i < n && PyUnicode_READ(ka, da, i) == PyUnicode_READ(kb, db, i))
+        i++;
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef module_methods[] = {
+    {"common_prefix", py_common_prefix, METH_VARARGS, "common_prefix(a, b) -> length of the common prefix."},
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "xxh3_64(data, seed=0) -> XXH3-64 of data (as the xxhash package)."},
     {"chain_keys", py_chain_keys, METH_VARARGS,
      "chain_keys(token_ids, block_size, seed, root) -> chained keys of every full block."},

@@ -1067,7 +1067,51 @@ static PyObject *clear_source(PyObject *module, PyObject *args) {
     return PyLong_FromSsize_t(cleared);
 }
 
+static PyObject *expire_marks(PyObject *module, PyObject *args) {
+    /* Provisional marks due at `now` (both as order codes, see index.py): each of `keys` whose mark in `marks`
+     * is at most `now` loses the mark and `bit` in `gpu`; a key marked again since (a later code) keeps both.
+     * Returns how many marks were dropped. One call per expired request: the per-key loop stays in C. */
+    PyObject *marks_obj, *keys_obj, *gpu_obj;
+    unsigned long long now;
+    Py_ssize_t bit;
+    if (!PyArg_ParseTuple(args, "O!OKO!n:expire_marks", &TableType, &marks_obj, &keys_obj, &now, &TableType,
+                          &gpu_obj, &bit))
+        return NULL;
+    Table *marks = (Table *)marks_obj;
+    Table *gpu = (Table *)gpu_obj;
+    if (marks->words != 1) {
+        PyErr_SetString(PyExc_ValueError, "the marks must be a one-word table");
+        return NULL;
+    }
+    size_t word;
+    uint64_t mask;
+    if (bit_arg(gpu, bit, &word, &mask) < 0)
+        return NULL;
+    U64s keys;
+    if (u64s_read(keys_obj, &keys) < 0)
+        return NULL;
+    Py_ssize_t dropped = 0;
+    for (Py_ssize_t n = 0; n < keys.n; n++) {
+        if (n + AHEAD < keys.n)
+            prefetch_home(marks, keys.values[n + AHEAD]);
+        size_t m = find(marks, keys.values[n]);
+        if (m == NONE || slot_at(marks, m)[1] > (uint64_t)now)
+            continue;
+        delete_at(marks, m);
+        dropped++;
+        size_t i = find(gpu, keys.values[n]);
+        if (i != NONE)
+            clear_bit_at(gpu, i, word, mask);
+    }
+    u64s_free(&keys);
+    if (maybe_shrink(marks) < 0 || maybe_shrink(gpu) < 0)
+        return NULL;
+    return PyLong_FromSsize_t(dropped);
+}
+
 static PyMethodDef module_methods[] = {
+    {"expire_marks", expire_marks, METH_VARARGS,
+     "expire_marks(marks, keys, now, gpu, bit) -> marks dropped (those at most `now`, with their bit in gpu)"},
     {"clear_source", clear_source, METH_VARARGS,
      "clear_source(engine_map, tables, bit) -> (table, key) entries that had the bit"},
     {"prefix_lengths", prefix_lengths, METH_VARARGS,

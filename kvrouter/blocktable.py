@@ -15,6 +15,7 @@ from typing import cast
 from kvrouter.blocktable_protocol import (
     BlockTable,
     ClearSource,
+    ExpireMarks,
     HeldCounts,
     PrefixLengths,
     RemoveBlocks,
@@ -30,7 +31,8 @@ class Backend:
     * `held_counts(tables, excluded_bits)`: per bit, distinct keys holding it in any table; and distinct keys
       holding some bit outside `excluded_bits`;
     * `remove_blocks(engine_map, hashes, tier, tables, bit)`: a source's BlockRemoved; returns unknown hashes;
-    * `clear_source(engine_map, tables, bit)`: a source's blocks gone; clears `bit` on the keys its map names.
+    * `clear_source(engine_map, tables, bit)`: a source's blocks gone; clears `bit` on the keys its map names;
+    * `expire_marks(marks, keys, now, gpu, bit)`: provisional marks of `keys` at most `now` go, with `bit` in `gpu`.
     """
 
     name: str
@@ -39,13 +41,20 @@ class Backend:
     held_counts: HeldCounts
     remove_blocks: RemoveBlocks
     clear_source: ClearSource
+    expire_marks: ExpireMarks
 
 
 def pure_backend() -> Backend:
     from kvrouter import blocktable_pure as pure
 
     return Backend(
-        "pure", pure.PureBlockTable, pure.prefix_lengths, pure.held_counts, pure.remove_blocks, pure.clear_source
+        "pure",
+        pure.PureBlockTable,
+        pure.prefix_lengths,
+        pure.held_counts,
+        pure.remove_blocks,
+        pure.clear_source,
+        pure.expire_marks,
     )
 
 
@@ -60,6 +69,7 @@ def native_backend() -> Backend:
         cast(HeldCounts, native.held_counts),
         cast(RemoveBlocks, native.remove_blocks),
         cast(ClearSource, native.clear_source),
+        cast(ExpireMarks, native.expire_marks),
     )
 
 

@@ -65,4 +65,16 @@ class ClearSource(Protocol):
     def __call__(self, engine_map: BlockTable, tables: tuple[BlockTable, ...], bit: int, /) -> int: ...
 
 
-__all__ = ["BlockTable", "ClearSource", "HeldCounts", "PrefixLengths", "RemoveBlocks", "TableFactory"]
+class ExpireMarks(Protocol):
+    def __call__(self, marks: BlockTable, keys: Sequence[int], now: int, gpu: BlockTable, bit: int, /) -> int: ...
+
+
+__all__ = [
+    "BlockTable",
+    "ClearSource",
+    "ExpireMarks",
+    "HeldCounts",
+    "PrefixLengths",
+    "RemoveBlocks",
+    "TableFactory",
+]

@@ -224,4 +224,18 @@ def clear_source(engine_map: BlockTable, tables: tuple[BlockTable, ...], bit: in
     return sum(table.clear_bit(keys, bit) for table in tables)
 
 
-__all__ = ["PureBlockTable", "clear_source", "held_counts", "prefix_lengths", "remove_blocks"]
+def expire_marks(marks: BlockTable, keys: Sequence[int], now: int, gpu: BlockTable, bit: int, /) -> int:
+    if marks.words != 1:
+        raise ValueError("the marks must be a one-word table")
+    gpu.clear_bit((), bit)  # the bit is checked before anything changes, as in C
+    dropped = []
+    for key in keys:
+        mark = marks.get(key)
+        if mark is not None and mark <= now:
+            marks.pop(key)
+            dropped.append(key)
+    gpu.clear_bit(dropped, bit)
+    return len(dropped)
+
+
+__all__ = ["PureBlockTable", "clear_source", "expire_marks", "held_counts", "prefix_lengths", "remove_blocks"]

@@ -17,7 +17,9 @@ of that rank counts, `gpu_blocks` counts only GPU and provisional blocks).
 Provisional entries (`add_provisional`) mark a routed request's keys on its replica for `provisional_ttl_s`, so
 a burst of siblings follows the first before the engine's events arrive. The engine's `BlockStored` makes a
 block real; the mark itself simply lapses at its TTL (dropping it early would cut a provisional prefix in two
-while its tail is still being computed). Expiry is lazy, against the `now` callers pass.
+while its tail is still being computed). Expiry is lazy, against the `now` callers pass. A replica's marks live
+in a one-word block table (key -> when the mark ends, as an order-preserving integer), so renewing a request's
+~250 marks and expiring them are one C call each (`expire_marks`), not a Python loop per key.
 
 Hostile sequences. Every event sequence leaves the tables consistent (tests/test_index_adversarial.py holds
 them against a reference model): a store that names an engine hash already mapped to another key takes the old
@@ -33,17 +35,20 @@ head — an evicted block is merely under-predicted; the tables then keep a rece
 
 from __future__ import annotations
 
-import itertools
+import struct
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvrouter.blocktable import Backend, BlockTable, load_backend
 from kvrouter.routing.router import PrefixMatch
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
 _PROVISIONAL_RANK = -1
-_NEVER = itertools.repeat(float("inf"))
+_DOUBLE = struct.Struct("<d")
+_UNSIGNED = struct.Struct("<Q")
+_SIGN = 1 << 63
+_ALL = (1 << 64) - 1
 _TIERS = tuple(Tier)
 _SHARED_MATCHES = 1 << 16
 
@@ -55,8 +60,7 @@ class _Source:
     replica: ReplicaName
     rank: int
     bit: int  # the source's bit number in the tier tables' masks
-    blocks: BlockTable  # engine hash -> key (empty for the provisional slot)
-    provisional_until: dict[BlockKey, float] = field(default_factory=dict)
+    blocks: BlockTable  # engine hash -> key; for the provisional slot, key -> `_order_code` of its mark's end
 
 
 class PrefixIndex:
@@ -184,7 +188,7 @@ class PrefixIndex:
     def _clear_source(self, source: _Source) -> None:
         # The cost is the source's own blocks (its engine map, or its live marks), not the whole index.
         if source.rank == _PROVISIONAL_RANK:
-            self._gpu.clear_bit(list(source.provisional_until), source.bit)
+            self._gpu.clear_bit([key for key, _ in source.blocks.items()], source.bit)
         else:
             self.backend.clear_source(source.blocks, self._tiers, source.bit)
         self._drop_source(source)
@@ -198,7 +202,7 @@ class PrefixIndex:
         source = self._source(replica, _PROVISIONAL_RANK)
         until = now + self.provisional_ttl_s
         self._gpu.or_bit(keys, source.bit)  # ordered under a budget: most recent now, tail before head
-        source.provisional_until.update(zip(keys, itertools.repeat(until)))
+        source.blocks.set_many(keys, [_order_code(until)] * len(keys))
         self._expiries.append((until, source, tuple(keys)))
         if self.max_blocks is not None:
             for table in self._tiers[1:]:
@@ -208,16 +212,16 @@ class PrefixIndex:
 
     def _expire(self, now: float) -> None:
         expiries = self._expiries
+        if not expiries or expiries[0][0] > now:
+            return
+        code = _order_code(now)
         while expiries and expiries[0][0] <= now:
             _, source, keys = expiries.popleft()
             if self._sources.get((source.replica, source.rank)) is not source:
                 continue  # the replica was cleared meanwhile
-            marks = source.provisional_until
-            # Keys marked again since are not due yet; the rest lose the mark and the replica's bit.
-            due = list(itertools.compress(keys, map(now.__ge__, map(marks.get, keys, _NEVER))))
-            for key in due:
-                marks.pop(key, None)
-            self._gpu.clear_bit(due, source.bit)
+            # Keys marked again since are not due yet; the rest lose the mark and the replica's bit (in C: the
+            # per-key work of a request's ~250 keys is no Python loop).
+            self.backend.expire_marks(source.blocks, keys, code, self._gpu, source.bit)
 
     # ---- budget -------------------------------------------------------------------------------------------
 
@@ -283,7 +287,7 @@ class PrefixIndex:
     def provisional_marks(self, replica: ReplicaName) -> int:
         """Keys marked provisional on `replica` by routed requests, not yet expired (a recent-traffic signal)."""
         source = self._sources.get((replica, _PROVISIONAL_RANK))
-        return 0 if source is None else len(source.provisional_until)
+        return 0 if source is None else len(source.blocks)
 
     def block_counts(self) -> dict[ReplicaName, int]:
         counts: dict[ReplicaName, int] = {}
@@ -309,7 +313,7 @@ class PrefixIndex:
         return {s.replica for s in self._sources.values()}
 
     def table_bytes(self) -> int:
-        """Bytes the index's tables hold (tier tables and engine maps; provisional bookkeeping excluded)."""
+        """Bytes the index's tables hold (tier tables, engine maps and the provisional marks' tables)."""
         return sum(t.nbytes for t in self._tiers) + sum(s.blocks.nbytes for s in self._sources.values())
 
     def __len__(self) -> int:
@@ -318,6 +322,13 @@ class PrefixIndex:
         if not marks and not any(map(len, self._tiers[1:])):
             return len(self._gpu)
         return self.backend.held_counts(self._tiers, marks)[1]
+
+
+def _order_code(time: float) -> int:
+    """`time` as a 64-bit unsigned int ordered like the float (IEEE-754 bits, sign folded), so a mark's end can
+    live in a block table and be compared there."""
+    bits: int = _UNSIGNED.unpack(_DOUBLE.pack(time + 0.0))[0]  # + 0.0: -0.0 becomes 0.0, equal as floats
+    return bits ^ _ALL if bits & _SIGN else bits | _SIGN
 
 
 def _last_per_hash(

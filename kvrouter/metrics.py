@@ -189,6 +189,17 @@ class RouterMetrics:
             ["replica"],
             registry=registry,
         )
+        self.tokenizer_cache_bytes = Gauge(
+            "kvrouter_tokenizer_cache_bytes",
+            "Bytes the tokenizer's render cache holds (texts, token ids, boundaries; bounded by "
+            "tokenizer_cache_bytes).",
+            registry=registry,
+        )
+        self.tokenizer_cache_entries = Gauge(
+            "kvrouter_tokenizer_cache_entries",
+            "Rendered prompts the tokenizer's render cache holds (bounded by its entry limit).",
+            registry=registry,
+        )
         self.events = EventMetrics(registry)
         self._timers: dict[tuple[str, str], RouteTimers] = {}
 

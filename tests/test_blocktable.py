@@ -103,6 +103,17 @@ class NativeVersusPure(RuleBasedStateMachine):
         dropped = {maps[which].retain_held(tiers, bit) for _, tiers, maps in self.sides}
         assert len(dropped) == 1
 
+    @rule(which=st.integers(0, 1), keys=KEY_LISTS, now=KEYS, bit=st.sampled_from([0, 1, 2, 64]))
+    def expire_marks(self, which: int, keys: list[int], now: int, bit: int) -> None:
+        # An engine map stands in for a replica's provisional marks (key -> end), the first tier for the GPU's.
+        if bit >= self.words * 64:
+            for backend, tiers, maps in self.sides:
+                with pytest.raises(ValueError):
+                    backend.expire_marks(maps[which], keys, now, tiers[0], bit)
+            return
+        dropped = {backend.expire_marks(maps[which], keys, now, tiers[0], bit) for backend, tiers, maps in self.sides}
+        assert len(dropped) == 1
+
     @rule(keys=st.lists(KEYS, min_size=1, max_size=30), with_lower=st.booleans())
     def prefix_lengths(self, keys: list[int], with_lower: bool) -> None:
         results = [

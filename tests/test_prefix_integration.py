@@ -136,6 +136,13 @@ async def test_events_from_a_pub_socket_show_up_as_cached_tokens_on_the_right_re
     samples = dict(line.split(" ", 1) for line in metrics.splitlines() if not line.startswith("#"))
     index_bytes = float(samples["kvrouter_index_bytes"])
     assert 0 < index_bytes < 1_000_000  # the tables of ten blocks: a few small slot arrays
+    assert samples["kvrouter_tokenizer_cache_entries"] == "0.0"  # completions are not rendered
+    chat = {"model": "m", "messages": [{"role": "user", "content": PROMPT}]}
+    assert (await client.post("/debug/route/chat", json=chat)).status == 200
+    metrics = await (await client.get("/metrics")).text()
+    samples = dict(line.split(" ", 1) for line in metrics.splitlines() if not line.startswith("#"))
+    assert samples["kvrouter_tokenizer_cache_entries"] == "1.0"
+    assert len(PROMPT) < float(samples["kvrouter_tokenizer_cache_bytes"]) < 4 * len(PROMPT) + 4096
 
     # The engine evicts block 6: the prefix ends there.
     await pub.send_multipart([b"kv-events", encode_seq(seq), removed([hashes[6]])])

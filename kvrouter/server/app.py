@@ -122,6 +122,8 @@ def build_prefix_parts(
         except ValueError as error:
             raise ConfigError(f"tokenizer: {error}") from None
         parts.tokenizer = tokenizer
+        metrics.tokenizer_cache_bytes.set_function(lambda: tokenizer.cache.nbytes)
+        metrics.tokenizer_cache_entries.set_function(lambda: len(tokenizer.cache))
 
         async def close_tokenizer(app: web.Application) -> AsyncIterator[None]:
             yield

@@ -34,7 +34,6 @@ import hmac
 import json
 import logging
 import re
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -60,6 +59,7 @@ from kvrouter.server.assembly import (
     assemble,
 )
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
+from kvrouter.server.request_ids import RequestIds
 from kvrouter.server.status import StatusEndpoints
 from kvrouter.server.streaming import (
     REDIRECTS,
@@ -141,8 +141,10 @@ class Proxy:
         load: LoadBook,
         metrics: RouterMetrics,
         clock: Callable[[], float],
+        request_ids: Callable[[], str] | None = None,
     ) -> None:
         self.settings = settings
+        self.request_ids = request_ids or RequestIds()
         self.router = router
         self.replicas = replicas
         self.load = load
@@ -231,7 +233,7 @@ class Proxy:
 
     async def _completion(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         start = self.clock()
-        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request_id = request.headers.get(REQUEST_ID_HEADER) or self.request_ids()
         if self.active >= self.settings.max_concurrency:
             busy = RequestError("router is at its concurrency limit; retry later", status=429, code="overloaded")
             return error_response(busy, request_id)
@@ -641,7 +643,7 @@ class Proxy:
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """An allow-listed path goes, unchanged, to one routable replica (tokenize, embeddings, ...); others 404."""
-        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request_id = request.headers.get(REQUEST_ID_HEADER) or self.request_ids()
         try:
             self.check_client(request)
             if not self.passthrough_paths.allows(request.raw_path.partition("?")[0]):

@@ -1,0 +1,77 @@
+"""The hot path's pure parts, one thread, thread CPU time: parse + tokenize a request, and the index's lookup plus
+provisional marks, on `loadtest/router_cpu.py`'s workloads.
+
+Prints medians of 3 rounds. Run it once per source tree to compare, e.g. this checkout against main's export:
+
+    python loadtest/bench_hot_path.py
+    git archive main | tar -x -C /tmp/main && (cd /tmp/main && rm pyproject.toml && python setup.py build_ext -i)
+    PYTHONPATH=/tmp/main python loadtest/bench_hot_path.py
+
+(`router_cpu.py` measures the whole router process; this isolates what the tokenizer threads and the index cost.)
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import router_cpu
+
+from kvrouter.index import PrefixIndex
+from kvrouter.openai_request import parse_request
+from kvrouter.tinymodel import ensure_tokenizer
+from kvrouter.tokenization import HfPromptTokenizer
+
+
+def tokenize_us(tokenizer: HfPromptTokenizer, bodies: list[bytes]) -> float:
+    started = time.thread_time()
+    for body in bodies:
+        tokenizer.token_ids(parse_request("chat", body))
+    return (time.thread_time() - started) / len(bodies) * 1e6
+
+
+def index_us(rounds: int = 3, requests: int = 6000) -> float:
+    """255-key requests at ~250/s over 100 prefixes (a third of them new): one batch of marks expires per request."""
+    rng = random.Random(1)
+    prompts = [[rng.getrandbits(64) for _ in range(255)] for _ in range(100)]
+    fresh = [[rng.getrandbits(64) for _ in range(255)] for _ in range(requests)]
+    index = PrefixIndex(provisional_ttl_s=5.0)
+    now = 0.0
+    results = []
+    for _ in range(rounds):
+        started = time.thread_time()
+        for n in range(requests):
+            now += 0.004
+            keys = prompts[n % 100] if n % 3 else fresh[n]
+            index.longest_prefixes(keys, now)
+            index.add_provisional(f"r{n % 4}", keys, now)
+        results.append((time.thread_time() - started) / requests * 1e6)
+    return statistics.median(results)
+
+
+def main() -> int:
+    import kvrouter
+
+    tokenizer = HfPromptTokenizer(ensure_tokenizer(), threads=1)
+    systems = router_cpu.system_prompts(100, 4000, tokenizer.tokenizer)
+    tokenize_us(tokenizer, [body for _, body in router_cpu.tenant_bodies(systems, 300, False, "warm")])
+    tenants, multiturn = [], []
+    for r in range(3):
+        tenants.append(tokenize_us(tokenizer, [b for _, b in router_cpu.tenant_bodies(systems, 600, False, f"t{r}")]))
+        conversations = router_cpu.conversation_bodies(systems, 600, 8, False, f"m{r}")
+        multiturn.append(tokenize_us(tokenizer, [b for c in conversations for b in c]))
+    print(f"kvrouter from {Path(kvrouter.__file__).parent}")
+    print(f"parse + tokenize per request: tenants {statistics.median(tenants):.0f} us, ", end="")
+    print(f"multiturn {statistics.median(multiturn):.0f} us (thread CPU)")
+    print(f"index lookup + provisional marks per 255-key request: {index_us():.1f} us (thread CPU)")
+    tokenizer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

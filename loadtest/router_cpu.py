@@ -1,0 +1,610 @@
+"""Router CPU per request: kvrouter's own cost on long shared-prefix chat prompts, against a baseline, in one run.
+
+Starts, as separate processes, four fast fake replicas (one process: a bare asyncio HTTP server per port that
+answers every completion at once, as JSON or as an SSE stream with usage, and publishes vLLM KV events over ZMQ
+for what it "computed") and one `kvrouter` per (source tree, policy) in front of them, then drives every router
+in turn with the same closed-loop load generator (`--concurrency` keep-alive connections) and the same request
+bodies. The figure is the router process's CPU time (user + system, from /proc/<pid>/stat) over a run divided
+by the requests it served: what one request costs the router, which the machine's other load changes little
+(wall-clock rates are printed too, and they do depend on it).
+
+Workloads (deterministic, every body unique across runs so no router is handed an exact repeat):
+* `tenants`: `--tenants` tenants, each with a ~`--system-tokens`-token system prompt, and a distinct
+  ~50-token user turn per request (the tenant picked round-robin);
+* `multiturn`: conversations over the same system prompts that grow by one user turn (~50 tokens) and one
+  assistant answer (~30 tokens) per request, `--turns` turns each, a conversation's turns sent in order.
+
+Each workload runs non-streaming and streaming (`"stream": true`, a few SSE chunks and a usage chunk). The
+replicas publish, per request, a BlockStored event for the blocks they "computed" (the whole system prompt the
+first time a replica sees a tenant, then a few tail blocks chained on it), so the router's KV-event ingest runs
+during the measurement and its CPU is part of the figure.
+
+Baseline: `--baseline REF` exports that git revision (`git archive`) into a temporary directory, builds its C
+extensions and runs its router next to this checkout's, on the same bodies, interleaved repeat by repeat;
+figures are medians over `--repeats`. `--workers-check` adds throughput with `--workers 2` against one worker
+(round_robin, no KV events: workers share events only through Redis).
+
+Run from the repository root, e.g. `python loadtest/router_cpu.py --baseline main` (a few minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 16
+_WORDS = (  # noqa: SIM905 (a sentence of words reads better than 75 quoted ones)
+    "the of and to in is for that with on as by this be are from at or an which it not can all each their will has "
+    "more one other data time use system user request model token answer question policy account invoice order "
+    "customer support product service price report summary table query search result tool function schema field "
+    "value error status retry cache replica router prefix block latency throughput queue budget tenant contract"
+).split()
+
+
+# -- request bodies -------------------------------------------------------------------------------------------
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def system_prompts(tenants: int, tokens: int, tokenizer: Any) -> list[str]:
+    """One system prompt per tenant, ~`tokens` tokens of the tokenizer long, distinct from its first words."""
+    rng = random.Random(20)
+    probe = _text(rng, 2000)
+    per_word = len(tokenizer(probe, add_special_tokens=False).input_ids) / 2000
+    words = max(1, round(tokens / per_word))
+    return [f"You are the assistant of tenant {t}. " + _text(rng, words) for t in range(tenants)]
+
+
+def tenant_bodies(systems: list[str], count: int, stream: bool, salt: str) -> list[tuple[int, bytes]]:
+    rng = random.Random(salt)
+    bodies = []
+    for n in range(count):
+        tenant = n % len(systems)
+        messages = [
+            {"role": "system", "content": systems[tenant]},
+            {"role": "user", "content": f"Request {salt}-{n}: " + _text(rng, 40)},
+        ]
+        bodies.append((tenant, _body(messages, tenant, stream)))
+    return bodies
+
+
+def conversation_bodies(systems: list[str], count: int, turns: int, stream: bool, salt: str) -> list[list[bytes]]:
+    """`count` requests as conversations of `turns` requests each; a conversation's bodies in turn order."""
+    rng = random.Random(salt)
+    conversations = []
+    for c in range((count + turns - 1) // turns):
+        tenant = c % len(systems)
+        messages: list[dict[str, str]] = [{"role": "system", "content": systems[tenant]}]
+        bodies = []
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"Conversation {salt}-{c} turn {turn}: " + _text(rng, 40)})
+            bodies.append(_body(messages, tenant, stream))
+            messages.append({"role": "assistant", "content": _text(rng, 25)})
+        conversations.append(bodies)
+    return conversations
+
+
+def _body(messages: list[dict[str, str]], tenant: int, stream: bool) -> bytes:
+    body: dict[str, Any] = {"model": "bench-model", "messages": messages, "max_tokens": 8, "user": f"t{tenant}"}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return json.dumps(body).encode()
+
+
+# -- the fake replicas ----------------------------------------------------------------------------------------
+
+_COMPLETION = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1_700_000_000,
+        "model": "bench-model",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "Fine."}, "finish_reason": "stop"},
+        ],
+        "usage": {
+            "prompt_tokens": 4000,
+            "total_tokens": 4008,
+            "completion_tokens": 8,
+            "prompt_tokens_details": {"cached_tokens": 3968},
+        },
+    }
+).encode()
+_SSE_CHUNKS = [
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n',
+    *[
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i
+        for i in range(4)
+    ],
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":4000,'
+    b'"completion_tokens":8,"total_tokens":4008,"prompt_tokens_details":{"cached_tokens":3968}}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+def _http(status: str, body: bytes, content_type: bytes) -> bytes:
+    head = f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\nConnection: keep-alive\r\n".encode()
+    return head + b"Content-Type: " + content_type + b"\r\n\r\n" + body
+
+
+_SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class _Events:
+    """One replica's KV events: the tenant's system-prompt blocks the first time, then a few tail blocks."""
+
+    def __init__(self, publisher: Any, prefixes: list[list[int]], replica: int) -> None:
+        self.publisher = publisher
+        self.prefixes = prefixes
+        self.seen: set[int] = set()
+        self.next_hash = (replica + 1) << 40
+        self.seq = 0
+
+    def request(self, tenant: int) -> None:
+        from kvrouter.sim.model import StoredBlocks
+
+        prefix = self.prefixes[tenant]
+        blocks = len(prefix) // BLOCK_SIZE
+        if blocks == 0:
+            return
+        first = (tenant + 1) << 20
+        events = []
+        if tenant not in self.seen:
+            self.seen.add(tenant)
+            hashes = tuple(first + i for i in range(blocks))
+            events.append(StoredBlocks(hashes, None, tuple(prefix[: blocks * BLOCK_SIZE]), BLOCK_SIZE))
+        tail = tuple(self.next_hash + i for i in range(3))
+        self.next_hash += 3
+        tokens = tuple((self.next_hash + i) % 8000 for i in range(3 * BLOCK_SIZE))
+        events.append(StoredBlocks(tail, first + blocks - 1, tokens, BLOCK_SIZE))
+        self.publisher(events)
+
+
+def _replica_protocol(events: _Events | None) -> type[asyncio.Protocol]:
+    class FastReplica(asyncio.Protocol):
+        COMPLETION = _http("200 OK", _COMPLETION, b"application/json")
+        HEALTH = _http("200 OK", b"", b"text/plain")
+        METRICS = _http(
+            "200 OK",
+            b'vllm:num_requests_running{engine="0"} 0.0\nvllm:num_requests_waiting{engine="0"} 0.0\n'
+            b'vllm:kv_cache_usage_perc{engine="0"} 0.0\n',
+            b"text/plain",
+        )
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = cast(asyncio.Transport, transport)
+            self.buffer = b""
+            self.loop = asyncio.get_running_loop()
+
+        def data_received(self, data: bytes) -> None:
+            self.buffer += data
+            while True:
+                end = self.buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                head = self.buffer[:end].decode("latin-1")
+                length = 0
+                for line in head.split("\r\n")[1:]:
+                    name, _, value = line.partition(":")
+                    if name.strip().lower() == "content-length":
+                        length = int(value)
+                if len(self.buffer) < end + 4 + length:
+                    return
+                body = self.buffer[end + 4 : end + 4 + length]
+                self.buffer = self.buffer[end + 4 + length :]
+                parts = head.split(" ", 2)
+                if len(parts) < 2:
+                    continue  # not a request line (a stray blank line between keep-alive requests): no answer
+                path = parts[1]
+                if path.startswith("/health"):
+                    self.transport.write(self.HEALTH)
+                elif path.startswith("/metrics"):
+                    self.transport.write(self.METRICS)
+                else:
+                    self.answer(body)
+
+        def answer(self, body: bytes) -> None:
+            if events is not None:
+                at = body.find(b'"user": "t')
+                if at >= 0:
+                    events.request(int(body[at + 10 : body.index(b'"', at + 10)]))
+            if b'"stream": true' not in body:
+                self.transport.write(self.COMPLETION)
+                return
+            # Each SSE event in its own write, a loop turn apart, as an engine streams them.
+            pieces = [_SSE_HEAD + _chunk(_SSE_CHUNKS[0]), *map(_chunk, _SSE_CHUNKS[1:]), b"0\r\n\r\n"]
+
+            def send(i: int) -> None:
+                if not self.transport.is_closing():
+                    self.transport.write(pieces[i])
+                    if i + 1 < len(pieces):
+                        self.loop.call_soon(send, i + 1)
+
+            send(0)
+
+    return FastReplica
+
+
+async def serve_replicas(ports: list[int], event_ports: list[int], prefixes: list[list[int]]) -> None:
+    loop = asyncio.get_running_loop()
+    servers = []
+    context = None
+    if event_ports:
+        import zmq
+
+        from kvrouter.sim.publisher import encode_payload, encode_seq
+
+        context = zmq.Context()
+    for number, port in enumerate(ports):
+        events = None
+        if context is not None:
+            pub = context.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.setsockopt(zmq.SNDHWM, 100_000)
+            pub.bind(f"tcp://127.0.0.1:{event_ports[number]}")
+
+            def publish(batch: list[Any], pub: Any = pub, seq: list[int] = [0]) -> None:  # noqa: B006
+                payload = encode_payload(time.time(), batch)
+                pub.send_multipart([b"kv-events", encode_seq(seq[0]), payload], flags=zmq.NOBLOCK)
+                seq[0] += 1
+
+            events = _Events(publish, prefixes, number)
+        servers.append(await loop.create_server(_replica_protocol(events), "127.0.0.1", port, backlog=1024))
+    await asyncio.gather(*(server.serve_forever() for server in servers))
+
+
+# -- the load generator ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    requests: int
+    seconds: float
+    errors: int
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> bool:
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = -1
+    chunked = False
+    for line in head.split(b"\r\n"):
+        lower = line.lower()
+        if lower.startswith(b"content-length:"):
+            length = int(line[15:])
+        elif lower.startswith(b"transfer-encoding:") and b"chunked" in lower:
+            chunked = True
+    if chunked:
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                break
+    elif length >= 0:
+        await reader.readexactly(length)
+    return head.startswith(b"HTTP/1.1 200")
+
+
+async def drive(port: int, concurrency: int, work: list[list[bytes]]) -> Run:
+    """Each connection takes the next sequence of bodies from `work` and sends them in order, one at a time."""
+    queue = iter(work)
+    done = [0, 0]
+
+    async def client() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
+        try:
+            for bodies in queue:
+                for body in bodies:
+                    ok = await _exchange(reader, writer, body)
+                    done[0 if ok else 1] += 1
+        finally:
+            writer.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return Run(done[0] + done[1], time.perf_counter() - started, done[1])
+
+
+# -- orchestration --------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with open(task / "children") as children:
+            found += [int(c) for c in children.read().split()]
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU of `pid` and its live children (a --workers supervisor's routers)."""
+    total = 0.0
+    for each in [pid, *_children(pid)]:
+        try:
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+async def wait_ready(port: int) -> None:
+    for _ in range(1200):
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            line = await reader.readline()
+            writer.close()
+            if b" 200 " in line:
+                return
+        except OSError:
+            pass
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"nothing ready on port {port}")
+
+
+def export_tree(ref: str, target: Path) -> Path:
+    """`ref` of this repository as a plain tree with its C extensions built (the baseline's router)."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
+    target.mkdir(parents=True)
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    # setup.py alone declares the extensions; an older setuptools refuses the copy's pyproject.toml metadata.
+    (target / "pyproject.toml").unlink()
+    subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=target, check=True, capture_output=True)
+    return target
+
+
+@dataclass
+class RouterProcess:
+    label: str
+    policy: str
+    port: int
+    process: subprocess.Popen[bytes]
+
+
+def start_router(
+    tree: Path, label: str, policy: str, config: Path, workers: int = 1, settings: tuple[str, ...] = ()
+) -> RouterProcess:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
+    env.update(setting.split("=", 1) for setting in settings)
+    env["PYTHONPATH"] = str(tree)
+    argv = [
+        sys.executable, "-m", "kvrouter.cli", "--replicas", str(config), "--host", "127.0.0.1",
+        "--port", str(port), "--policy", policy, "--log-level", "warning", "--workers", str(workers),
+    ]  # fmt: skip
+    return RouterProcess(label, policy, port, subprocess.Popen(argv, cwd=tree, env=env))
+
+
+def start_peer(spec: str, worker_urls: list[str]) -> RouterProcess:
+    """Another router, `NAME=COMMAND` with `{port}` and `{worker_urls}` (space-separated) in COMMAND."""
+    name, _, template = spec.partition("=")
+    port = free_port()
+    command = template.format(port=port, worker_urls=" ".join(worker_urls))
+    return RouterProcess(name, "peer", port, subprocess.Popen(shlex.split(command), stdout=subprocess.DEVNULL))
+
+
+def write_config(path: Path, ports: list[int], event_ports: list[int], tokenizer: Path) -> None:
+    lines = [f"tokenizer: '{tokenizer}'", f"block_size: {BLOCK_SIZE}", "replicas:"]
+    for number, port in enumerate(ports):
+        line = f"  - {{name: r{number}, url: 'http://127.0.0.1:{port}'"
+        if event_ports:
+            line += f", kv_events: {{endpoint: 'tcp://127.0.0.1:{event_ports[number]}'}}"
+        lines.append(line + "}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def workloads(args: argparse.Namespace, systems: list[str], salt: str) -> Iterator[tuple[str, list[list[bytes]]]]:
+    for name in args.workloads:
+        for stream in args.streams:
+            tag = f"{salt}-{name}-{stream}"
+            if name == "tenants":
+                work = [[body] for _, body in tenant_bodies(systems, args.requests, stream, tag)]
+            else:
+                work = conversation_bodies(systems, args.requests, args.turns, stream, tag)
+            yield f"{name} {'streaming' if stream else 'non-streaming'}", work
+
+
+async def measure(args: argparse.Namespace, routers: list[RouterProcess], systems: list[str]) -> None:
+    for router in routers:
+        await wait_ready(router.port)
+    print(f"warm-up: {args.warmup} requests per router per workload")
+    for _name, work in workloads(args, systems, "warm"):
+        first, sent = [], 0
+        for bodies in work:
+            if sent >= args.warmup:
+                break
+            first.append(bodies)
+            sent += len(bodies)
+        for router in routers:
+            await drive(router.port, args.concurrency, first)
+    cpu: dict[tuple[str, str], list[float]] = {}
+    rates: dict[tuple[str, str], list[float]] = {}
+    for repeat in range(args.repeats):
+        for name, work in workloads(args, systems, f"r{repeat}"):
+            order = routers if repeat % 2 == 0 else routers[::-1]
+            for router in order:
+                before = cpu_seconds(router.process.pid)
+                run = await drive(router.port, args.concurrency, work)
+                used = cpu_seconds(router.process.pid) - before
+                key = (name, f"{router.label} {router.policy}")
+                cpu.setdefault(key, []).append(used / max(1, run.requests) * 1e6)
+                rates.setdefault(key, []).append(run.requests / run.seconds)
+                if run.errors:
+                    print(f"  {key}: {run.errors} errors of {run.requests}")
+        print(f"repeat {repeat + 1}/{args.repeats} done (load average {os.getloadavg()[0]:.1f})")
+    print()
+    print(f"router CPU per request, median of {args.repeats} runs of {args.requests} requests (range):")
+    print("| workload | router | CPU µs/request | req/s per core | wall req/s (machine-dependent) |")
+    print("|---|---|---|---|---|")
+    for (name, who), values in cpu.items():
+        median = statistics.median(values)
+        spread = f"{min(values):,.0f}-{max(values):,.0f}"
+        rate = statistics.median(rates[(name, who)])
+        print(f"| {name} | {who} | {median:,.0f} ({spread}) | {1e6 / median:,.0f} | {rate:,.0f} |")
+    labels = {who.split(" ")[0] for _, who in cpu}
+    if {"this", "base"} <= labels:
+        print()
+        for (name, who), values in cpu.items():
+            label, policy = who.split(" ")
+            base = cpu.get((name, f"base {policy}"))
+            if label == "this" and base:
+                ratio = statistics.median(values) / statistics.median(base)
+                print(f"  {name} {policy}: this checkout's CPU per request is {ratio:.2f}x the baseline's")
+
+
+async def workers_check(args: argparse.Namespace, tree: Path, config: Path, systems: list[str]) -> None:
+    print()
+    print(f"--workers 2 vs 1 (round_robin, {args.requests} tenants requests, median of {args.repeats}):")
+    results: dict[int, list[float]] = {}
+    for workers in (1, 2):
+        router = start_router(tree, "this", "round_robin", config, workers=workers)
+        try:
+            await wait_ready(router.port)
+            await asyncio.sleep(1.0)
+            for repeat in range(args.repeats + 1):
+                bodies = [[b] for _, b in tenant_bodies(systems, args.requests, False, f"w{workers}-{repeat}")]
+                run = await drive(router.port, args.concurrency, bodies)
+                if repeat:  # the first is a warm-up
+                    results.setdefault(workers, []).append(run.requests / run.seconds)
+        finally:
+            router.process.terminate()
+            router.process.wait(timeout=30)
+    one, two = statistics.median(results[1]), statistics.median(results[2])
+    print(f"  1 worker {one:,.0f} req/s, 2 workers {two:,.0f} req/s: {two / one:.2f}x (wall clock: machine-dependent)")
+
+
+def run_bench(args: argparse.Namespace, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None) -> int:
+    from transformers import AutoTokenizer
+
+    from kvrouter.tinymodel import ensure_tokenizer
+
+    tokenizer_dir = ensure_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    systems = system_prompts(args.tenants, args.system_tokens, tokenizer)
+    heads = [tokenizer.apply_chat_template([{"role": "system", "content": s}], tokenize=False) for s in systems]
+    prefixes = [tokenizer(head, add_special_tokens=False).input_ids for head in heads]
+    print(f"{args.tenants} tenants, system prompts of ~{len(prefixes[0])} tokens ({len(systems[0]):,} characters)")
+    ports = [free_port() for _ in range(4)]
+    event_ports = [free_port() for _ in range(4)] if args.events else []
+    processes: list[subprocess.Popen[bytes]] = []
+    routers: list[RouterProcess] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "replicas.yaml"
+        write_config(config, ports, event_ports, tokenizer_dir)
+        prefixes_file = Path(tmp) / "prefixes.json"
+        prefixes_file.write_text(json.dumps(prefixes))
+        trees = [("this", REPO)]
+        if args.baseline:
+            trees.append(("base", export_tree(args.baseline, Path(tmp) / "baseline")))
+        replica_argv = [sys.executable, __file__, "--serve-replicas", ",".join(map(str, ports))]
+        if event_ports:
+            replica_argv += ["--event-ports", ",".join(map(str, event_ports)), "--prefixes", str(prefixes_file)]
+        try:
+            processes.append(subprocess.Popen(replica_argv, cwd=REPO))
+            for label, tree in trees:
+                for policy in args.policies:
+                    settings = tuple(args.setting) if label == "this" else ()
+                    routers.append(start_router(tree, label, policy, config, settings=settings))
+            urls = [f"http://127.0.0.1:{port}" for port in ports]
+            for peer in args.peer:
+                routers.append(start_peer(peer, urls))
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                runner.run(measure(args, routers, systems))
+                if args.workers_check:
+                    plain = Path(tmp) / "plain.yaml"
+                    write_config(plain, ports, [], tokenizer_dir)
+                    runner.run(workers_check(args, REPO, plain, systems))
+        finally:
+            for process in [*processes, *(r.process for r in routers)]:
+                process.terminate()
+            for process in [*processes, *(r.process for r in routers)]:
+                process.wait(timeout=30)
+            shutil.rmtree(Path(tmp) / "baseline", ignore_errors=True)
+    print(f"machine load average {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} cores, other work included)")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--baseline", metavar="REF", help="git revision to measure against (e.g. main)")
+    parser.add_argument("--policies", type=lambda s: s.split(","), default=["kv_aware", "round_robin"])
+    parser.add_argument("--workloads", type=lambda s: s.split(","), default=["tenants", "multiturn"])
+    parser.add_argument(
+        "--streams", type=lambda s: [x == "on" for x in s.split(",")], default=[False, True], help="off,on"
+    )
+    parser.add_argument("--requests", type=int, default=1000, help="requests per run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=200, help="requests per router and workload before measuring")
+    parser.add_argument("--concurrency", type=int, default=48)
+    parser.add_argument("--tenants", type=int, default=100)
+    parser.add_argument("--system-tokens", type=int, default=4000)
+    parser.add_argument("--turns", type=int, default=8, help="requests per conversation (multiturn)")
+    parser.add_argument("--no-events", dest="events", action="store_false", help="replicas publish no KV events")
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="KVROUTER_X=V",
+        help="a setting for this checkout's routers only (a knob against the baseline)",
+    )
+    parser.add_argument(
+        "--peer", action="append", default=[], metavar="NAME=COMMAND", help="another router ({port}, {worker_urls})"
+    )
+    parser.add_argument("--workers-check", action="store_true", help="also --workers 2 vs 1 throughput")
+    parser.add_argument("--serve-replicas", help=argparse.SUPPRESS)
+    parser.add_argument("--event-ports", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--prefixes", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        pass
+    if args.serve_replicas:
+        ports = [int(p) for p in args.serve_replicas.split(",")]
+        event_ports = [int(p) for p in args.event_ports.split(",") if p]
+        prefixes = json.loads(Path(args.prefixes).read_text()) if args.prefixes else []
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve_replicas(ports, event_ports, prefixes))
+        return 0
+    return run_bench(args, loop_factory)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
