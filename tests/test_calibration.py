@@ -79,6 +79,11 @@ def test_each_replica_converges_to_its_own_costs() -> None:
         calibrator.observe(A, observe(slow, rng, noise=0.1))
     assert calibrator.costs(A).prefill_tokens_per_s == pytest.approx(20_000.0, rel=0.1)
     calibrator.forget(A)
+    # A replica without observations of its own is priced like its calibrated peers (here: B alone).
+    assert calibrator.costs(A).prefill_tokens_per_s == pytest.approx(slow_rate)
+    assert calibrator.costs(A, weight=2.0).prefill_tokens_per_s == pytest.approx(2 * slow_rate)
+    assert calibrator.costs(A).samples == 0
+    calibrator.forget(B)
     assert calibrator.costs(A) == start
 
 

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +172,10 @@ class KvAwarePolicy:
             return self.calibration.costs(replica, weight)
         start = self.start_costs
         return ReplicaCosts(start.prefill_tokens_per_s * weight, start.pass_s, start.decode_s_per_request)
+
+    def priced_costs(self, replicas: Iterable[tuple[str, float]]) -> dict[str, ReplicaCosts]:
+        """The costs of each (replica, weight) now (for the metrics)."""
+        return {name: self.costs(ReplicaName(name), weight) for name, weight in replicas}
 
     @property
     def reuse(self) -> float:

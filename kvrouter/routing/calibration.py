@@ -20,11 +20,12 @@ start's first slow passes or a request whose cache was evicted under it move it 
 sample and no more. Coefficients stay non-negative and inside physical bounds; a fit that comes out singular or
 non-finite keeps the last estimate (counted in `rejected_fits`).
 
-Start and convergence: until a replica has `min_samples` observations it is priced with the starting estimates
-(`kv_prefill_tokens_per_s` x the replica's weight, `kv_decode_pass_s`, `kv_decode_s_per_request`); after that with
-its fit. Each refit is pulled toward the previous estimate with the strength of `prior_samples` observations,
-which keeps a coefficient steady while the window holds no request that shows it (no short request,
-nothing decoding); the starting values fade out at the first refits. The window
+Start and convergence: until a replica has `min_samples` observations it is priced like its calibrated peers (the
+median of their fits, the prefill rate per unit of replicas.yaml weight), or, before any replica has a fit, with
+the starting estimates (`kv_prefill_tokens_per_s` x the replica's weight, `kv_decode_pass_s`,
+`kv_decode_s_per_request`); after that with its own fit. Each refit is pulled toward the previous estimate with
+the strength of `prior_samples` observations, which keeps a coefficient steady while the window holds no request
+that shows it (no short request, nothing decoding); the starting values fade out at the first refits. The window
 makes it follow a replica that restarts on other hardware within `window` requests. `forget` drops a replica.
 
 Pure and synchronous; no clock (observations carry their TTFT). Knobs (`CalibrationConfig`): `window` [256],
@@ -95,6 +96,7 @@ class _Replica:
     """The last accepted fit; None until there is one."""
     since_fit: int = 0
     seen: int = 0
+    weight: float = 1.0
 
 
 @dataclass(slots=True)
@@ -107,10 +109,19 @@ class CostCalibrator:
     _replicas: dict[ReplicaName, _Replica] = field(default_factory=dict)
 
     def costs(self, replica: ReplicaName, weight: float = 1.0) -> ReplicaCosts:
-        """The replica's current costs; `weight` (replicas.yaml) scales the starting prefill rate only."""
+        """The replica's current costs: its own fit, else its peers' (median), else the start; `weight`
+        (replicas.yaml) scales the borrowed prefill rate only."""
         state = self._replicas.get(replica)
         if state is not None and state.costs is not None:
             return state.costs
+        fitted = [(other.costs, other.weight) for other in self._replicas.values() if other.costs is not None]
+        if fitted:
+            # Like its peers until it shows otherwise: a pessimistic start would keep a new replica idle.
+            return ReplicaCosts(
+                _median([c.prefill_tokens_per_s / w for c, w in fitted]) * weight,
+                _median([c.pass_s for c, _ in fitted]),
+                _median([c.decode_s_per_request for c, _ in fitted]),
+            )
         start = self.start
         if weight == 1.0:
             return start
@@ -125,6 +136,7 @@ class CostCalibrator:
         state = self._replicas.get(replica)
         if state is None:
             state = self._replicas[replica] = _Replica(deque(maxlen=self.config.window))
+        state.weight = weight
         state.observations.append(observation)
         state.seen += 1
         state.since_fit += 1
@@ -142,6 +154,12 @@ class CostCalibrator:
 
     def forget(self, replica: ReplicaName) -> None:
         self._replicas.pop(replica, None)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def fit_costs(

@@ -34,7 +34,7 @@ from kvrouter.config import ConfigError, FleetConfig, Settings
 from kvrouter.events.embedded import EmbeddedEvents
 from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import CountingIndexWriter
-from kvrouter.metrics import RouterMetrics
+from kvrouter.metrics import CalibrationCollector, CostSource, RouterMetrics
 from kvrouter.policies import build_policy
 from kvrouter.redisplane.wiring import build_follower
 from kvrouter.routing.lifecycle import EventListener, RequestListener, tell_cleared
@@ -164,8 +164,9 @@ def create_app(
     app[EDGE] = edge
     load = LoadBook()
     prefix = build_prefix_parts(settings, fleet, metrics, clock, load)
+    policy = build_policy(settings.policy, settings, clock=clock)
     router = Router(
-        policy=build_policy(settings.policy, settings, clock=clock),
+        policy=policy,
         load=load,
         index=prefix.lookup,
         tokenizer=prefix.tokenizer,
@@ -175,6 +176,9 @@ def create_app(
         clock=clock,
     )
     replicas = ReplicaSet(fleet, settings, load, metrics, clock)
+    if isinstance(policy, CostSource):
+        collector = CalibrationCollector(policy, lambda: [(r.name, r.route.weight) for r in replicas])
+        metrics.registry.register(collector)
     forget = forget_replica(prefix.index, prefix.event_listeners, clock)
     replicas.on_gone = forget
     proxy = Proxy(settings=settings, router=router, replicas=replicas, load=load, metrics=metrics, clock=clock)
