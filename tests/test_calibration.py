@@ -84,7 +84,8 @@ def test_each_replica_converges_to_its_own_costs() -> None:
     assert calibrator.costs(A, weight=2.0).prefill_tokens_per_s == pytest.approx(2 * slow_rate)
     assert calibrator.costs(A).samples == 0
     calibrator.forget(B)
-    assert calibrator.costs(A) == start
+    # With no replica left, the fleet's first pooled fit prices it (the start is gone for good).
+    assert calibrator.costs(A).samples == 0 and calibrator.costs(A) != start
 
 
 def test_bad_observations_are_skipped() -> None:
@@ -140,3 +141,20 @@ def test_profile_speed_divides_pass_time() -> None:
     assert isinstance(mocker, DynamoMockerEngine) and mocker.config.speedup == 0.5
     with pytest.raises(ValueError):
         replace(profile, speed=0.0)
+
+
+def test_the_fleet_pooled_fit_comes_first() -> None:
+    start = ReplicaCosts(10_000.0, 0.01, 0.0005)
+    calibrator = CostCalibrator(start, CalibrationConfig(min_samples=24))
+    rng = random.Random(4)
+    replicas = [ReplicaName(f"r{n}") for n in range(4)]
+    # Six requests each: no replica has its own fit, but the fleet's 24 pooled ones give the first estimate.
+    for _ in range(6):
+        for replica in replicas:
+            calibrator.observe(replica, observe(TRUE, rng, noise=0.05), weight=2.0 if replica == "r3" else 1.0)
+    plain = calibrator.costs(replicas[0])
+    assert plain.samples == 0 and plain.prefill_tokens_per_s != start.prefill_tokens_per_s
+    # The pool counts work per unit of weight: a replica of weight 2 borrows twice the rate.
+    assert calibrator.costs(replicas[3], weight=2.0).prefill_tokens_per_s == pytest.approx(
+        2 * plain.prefill_tokens_per_s
+    )

@@ -21,12 +21,14 @@ sample and no more. Coefficients stay non-negative and inside physical bounds; a
 non-finite keeps the last estimate (counted in `rejected_fits`).
 
 Start and convergence: until a replica has `min_samples` observations it is priced like its calibrated peers (the
-median of their fits, the prefill rate per unit of replicas.yaml weight), or, before any replica has a fit, with
-the starting estimates (`kv_prefill_tokens_per_s` x the replica's weight, `kv_decode_pass_s`,
-`kv_decode_s_per_request`); after that with its own fit. Each refit is pulled toward the previous estimate with
-the strength of `prior_samples` observations, which keeps a coefficient steady while the window holds no request
-that shows it (no short request, nothing decoding); the starting values fade out at the first refits. The window
-makes it follow a replica that restarts on other hardware within `window` requests. `forget` drops a replica.
+median of their fits, the prefill rate per unit of replicas.yaml weight); before any replica has a fit, with a
+fit of the whole fleet's observations pooled (ready after `min_samples` requests in all, so N replicas get a first
+estimate N times sooner), and before even that with the starting estimates (`kv_prefill_tokens_per_s` x the
+replica's weight, `kv_decode_pass_s`, `kv_decode_s_per_request`); after that with its own fit. Each refit is
+pulled toward the previous estimate with the strength of `prior_samples` observations, which keeps a coefficient
+steady while the window holds no request that shows it (no short request, nothing decoding); the starting values
+fade out at the first refits. The window makes it follow a replica that restarts on other hardware within
+`window` requests. `forget` drops a replica.
 
 Pure and synchronous; no clock (observations carry their TTFT). Knobs (`CalibrationConfig`): `window` [256],
 `min_samples` [24], `refit_every` [16], `prior_samples` [1], `iterations` [10].
@@ -36,8 +38,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from kvrouter.typedefs import ReplicaName
 
@@ -107,10 +109,12 @@ class CostCalibrator:
     config: CalibrationConfig = field(default_factory=CalibrationConfig)
     rejected_fits: int = 0
     _replicas: dict[ReplicaName, _Replica] = field(default_factory=dict)
+    _fleet: _Replica | None = None
+    """Every replica's observations pooled (work per unit of weight): the first fit, before any replica has its own."""
 
     def costs(self, replica: ReplicaName, weight: float = 1.0) -> ReplicaCosts:
-        """The replica's current costs: its own fit, else its peers' (median), else the start; `weight`
-        (replicas.yaml) scales the borrowed prefill rate only."""
+        """The replica's current costs: its own fit, else its peers' (median), else the fleet's pooled fit, else
+        the start; `weight` (replicas.yaml) scales the borrowed prefill rate only."""
         state = self._replicas.get(replica)
         if state is not None and state.costs is not None:
             return state.costs
@@ -122,10 +126,11 @@ class CostCalibrator:
                 _median([c.pass_s for c, _ in fitted]),
                 _median([c.decode_s_per_request for c, _ in fitted]),
             )
-        start = self.start
-        if weight == 1.0:
-            return start
-        return ReplicaCosts(start.prefill_tokens_per_s * weight, start.pass_s, start.decode_s_per_request)
+        pooled = self._fleet.costs if self._fleet is not None else None
+        base = self.start if pooled is None else pooled
+        if weight == 1.0 and pooled is None:
+            return base
+        return ReplicaCosts(base.prefill_tokens_per_s * weight, base.pass_s, base.decode_s_per_request)
 
     def replicas(self) -> list[ReplicaName]:
         return list(self._replicas)
@@ -133,10 +138,26 @@ class CostCalibrator:
     def observe(self, replica: ReplicaName, observation: Observation, weight: float = 1.0) -> None:
         if not (math.isfinite(observation.ttft_s) and observation.ttft_s >= 0 and observation.passes > 0):
             return
+        if weight <= 0 or not math.isfinite(weight):
+            weight = 1.0
         state = self._replicas.get(replica)
         if state is None:
             state = self._replicas[replica] = _Replica(deque(maxlen=self.config.window))
         state.weight = weight
+        self._add(state, observation, lambda: self.costs(replica, weight))
+        if not any(other.costs is not None for other in self._replicas.values()):
+            # Until one replica has its own fit, the fleet's pooled observations give the first estimate sooner.
+            fleet = self._fleet
+            if fleet is None:
+                fleet = self._fleet = _Replica(deque(maxlen=self.config.window))
+            per_weight = replace(observation, work_tokens=observation.work_tokens / weight)
+            self._add(fleet, per_weight, lambda: self._fleet_prior())
+
+    def _fleet_prior(self) -> ReplicaCosts:
+        fleet = self._fleet
+        return fleet.costs if fleet is not None and fleet.costs is not None else self.start
+
+    def _add(self, state: _Replica, observation: Observation, prior: Callable[[], ReplicaCosts]) -> None:
         state.observations.append(observation)
         state.seen += 1
         state.since_fit += 1
@@ -144,7 +165,7 @@ class CostCalibrator:
             state.costs is None or state.since_fit >= self.config.refit_every
         ):
             state.since_fit = 0
-            fitted = fit_costs(state.observations, self.costs(replica, weight), self.config)
+            fitted = fit_costs(state.observations, prior(), self.config)
             if fitted is None:
                 self.rejected_fits += 1
             else:
