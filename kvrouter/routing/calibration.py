@@ -30,6 +30,12 @@ steady while the window holds no request that shows it (no short request, nothin
 fade out at the first refits. The window makes it follow a replica that restarts on other hardware within
 `window` requests. `forget` drops a replica.
 
+The engines' own /metrics are not a source yet. vLLM 0.32 exports per-request `vllm:request_prefill_time_seconds`,
+`vllm:request_prefill_kv_computed_tokens`, `vllm:time_to_first_token_seconds`, `vllm:request_queue_time_seconds`
+and per-pass `vllm:iteration_tokens_total` histograms, but no pass duration: prefill-time sums overlap wherever a
+pass batches several prefills, so their ratio understates the rate under load, while the router's own view (TTFT
+against the work it routed) prices exactly what the estimate predicts, on any engine.
+
 Pure and synchronous; no clock (observations carry their TTFT). Knobs (`CalibrationConfig`): `window` [256],
 `min_samples` [24], `refit_every` [16], `prior_samples` [1], `iterations` [10].
 """
