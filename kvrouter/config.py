@@ -276,8 +276,9 @@ class Settings(BaseSettings):
     saturation_queue_s: float = Field(
         default=2.0,
         gt=0,
-        description="Seconds of queued prefill (at kv_prefill_tokens_per_s) at which a replica counts as saturated "
-        "in kvrouter_fleet_saturation, the autoscaling signal.",
+        description="Seconds of queued prefill (at the replica's calibrated prefill rate, else "
+        "kv_prefill_tokens_per_s) at which a replica counts as saturated in kvrouter_fleet_saturation, the "
+        "autoscaling signal.",
     )
     load_share_dir: Path | None = Field(
         default=None,
@@ -333,12 +334,32 @@ class Settings(BaseSettings):
         ),
     )
 
-    # The kv_aware policy's estimate of each replica's time to first token (kvrouter/policies/kv_aware.py).
-    kv_prefill_tokens_per_s: float = Field(default=48_000.0, gt=0, description="A replica's prefill tokens/s.")
+    # The kv_aware policy's estimate of each replica's time to first token (kvrouter/policies/kv_aware.py). The
+    # three costs are starting estimates that calibration replaces per replica (kvrouter/routing/calibration.py).
+    kv_prefill_tokens_per_s: float = Field(
+        default=10_000.0, gt=0, description="Starting estimate of a replica's prefill rate, uncached tokens/s."
+    )
     kv_batch_tokens: int = Field(default=8192, ge=1, description="Prompt tokens an engine pass computes.")
-    kv_decode_pass_s: float = Field(default=0.012, ge=0, description="Pass time added when a replica decodes.")
-    kv_decode_s_per_request: float = Field(default=0.001, ge=0, description="Pass time per decoding request.")
-    kv_cache_weight: float = Field(default=4.0, ge=0, description="Worth of a cached token in prefill time saved.")
+    kv_decode_pass_s: float = Field(default=0.01, ge=0, description="Starting estimate of a pass's fixed cost.")
+    kv_decode_s_per_request: float = Field(
+        default=0.0005, ge=0, description="Starting estimate of the pass time per decoding request."
+    )
+    kv_calibrate: bool = Field(
+        default=True,
+        description=(
+            "Learn each replica's prefill rate and pass costs from the TTFTs it delivers (/debug/route and "
+            "kvrouter_kv_calibrated_* show them); false pins the three starting estimates above (the prefill rate "
+            "x the replica's weight)."
+        ),
+    )
+    kv_cache_weight: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Worth of a cached token in prefill time saved; unset: 1 + the fleet's measured reuse (cached over "
+            "computed prompt tokens), a number pins it."
+        ),
+    )
     kv_waiting_request_tokens: int = Field(
         default=0, ge=0, description="Tokens assumed per engine-reported waiting request this router did not send."
     )

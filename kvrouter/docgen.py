@@ -53,6 +53,19 @@ kvrouter has two sources of configuration, kept apart on purpose:
 
 A bad file or value stops the router with exit code 2 and one line naming the file, the field and what was
 expected.
+
+**kv_aware's replica costs: learnt, or pinned by hand.** kv_aware prices each replica with its prefill throughput
+(uncached tokens/s through full passes), the fixed cost of one engine pass and the pass time per decoding request.
+By default (`kv_calibrate=true`) it learns the three per replica from the TTFTs that replica delivers
+(kvrouter/routing/calibration.py); `kv_prefill_tokens_per_s`, `kv_decode_pass_s` and `kv_decode_s_per_request`
+are only where it starts, and a replica without enough requests of its own is priced like its calibrated peers.
+`/debug/route` shows the values each candidate was priced with (`prefill_tokens_per_s`, `pass_fixed_s`,
+`decode_s_per_request`, `calibration_samples`) and `/metrics` exports them per replica
+(`kvrouter_kv_calibrated_*`). To pin them, set `KVROUTER_KV_CALIBRATE=false` and the three values, for example
+from a prefill benchmark of one replica: `KVROUTER_KV_PREFILL_TOKENS_PER_S=45000 KVROUTER_KV_DECODE_PASS_S=0.02
+KVROUTER_KV_DECODE_S_PER_REQUEST=0.0005`; a replica's `weight` in replicas.yaml then scales its prefill rate (a
+replica of half the speed: `weight: 0.5`). `kv_cache_weight` unset derives the worth of a cached token from the
+fleet's measured reuse (1 + cached ÷ computed prompt tokens, `kvrouter_kv_cache_weight`); a number pins it.
 """
 
 RESTART_FIELDS = frozenset({"tokenizer", "block_size", "hash_seed", "lora_adapters"})

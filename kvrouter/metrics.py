@@ -4,16 +4,22 @@
 one per application (tests make a fresh registry each), and `/metrics` renders that registry. Hot-path children
 (`labels(...)` lookups cost a lock and a dict probe) are cached per (replica, route) so the proxy pays one dict
 lookup per request. Gauges that mirror state kept elsewhere (in-flight per replica, replica health) are set
-when `/metrics` is scraped instead of on every request.
+when `/metrics` is scraped instead of on every request; `CalibrationCollector` reads kv_aware's learnt costs per
+replica the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvrouter.events.metrics import EventMetrics
+from kvrouter.routing.calibration import ReplicaCosts
 
 LATENCY_BUCKETS = (
     0.005,
@@ -215,3 +221,55 @@ class RouterMetrics:
         self.predicted_cached_tokens.labels(replica).inc(predicted)
         self.actual_cached_tokens.labels(replica).inc(actual)
         self.cached_tokens_error.labels(replica).observe(actual - predicted)
+
+
+@runtime_checkable
+class CostSource(Protocol):
+    """A policy that prices replicas with learnt costs (kv_aware with `kv_calibrate`)."""
+
+    def priced_costs(self, replicas: Iterable[tuple[str, float]]) -> Mapping[str, ReplicaCosts]:
+        """The current costs of each (replica, weight): calibrated, or the starting estimate before enough samples."""
+        ...
+
+    @property
+    def cache_weight(self) -> float: ...
+
+
+class CalibrationCollector(Collector):
+    """kv_aware's per-replica costs and cache weight, read from the policy when /metrics is scraped."""
+
+    def __init__(self, source: CostSource, replicas: Callable[[], Iterable[tuple[str, float]]]) -> None:
+        self.source = source
+        self.replicas = replicas
+        """The fleet's (replica, weight) pairs now."""
+
+    def collect(self) -> Iterator[Metric]:
+        costs = sorted(self.source.priced_costs(self.replicas()).items())
+        families: tuple[tuple[str, str, Callable[[ReplicaCosts], float]], ...] = (
+            (
+                "prefill_tokens_per_s",
+                "Prefill throughput kv_aware prices the replica with, uncached tokens/s.",
+                lambda c: c.prefill_tokens_per_s,
+            ),
+            ("pass_seconds", "Fixed cost of one engine pass kv_aware prices the replica with.", lambda c: c.pass_s),
+            (
+                "decode_seconds_per_request",
+                "Pass time per decoding request kv_aware prices the replica with.",
+                lambda c: c.decode_s_per_request,
+            ),
+            (
+                "samples",
+                "Requests behind the replica's calibrated costs (0: still the starting estimate).",
+                lambda c: float(c.samples),
+            ),
+        )
+        for suffix, text, value in families:
+            family = GaugeMetricFamily(f"kvrouter_kv_calibrated_{suffix}", text, labels=["replica"])
+            for replica, replica_costs in costs:
+                family.add_metric([replica], value(replica_costs))
+            yield family
+        weight = GaugeMetricFamily(
+            "kvrouter_kv_cache_weight", "Worth of a cached token in prefill time saved (derived or pinned)."
+        )
+        weight.add_metric([], self.source.cache_weight)
+        yield weight

@@ -48,9 +48,9 @@ def test_queue_outweighs_cache() -> None:
 
 
 def test_score_is_an_estimate_in_seconds() -> None:
-    decision = policy(prefill_tokens_per_s=10_000, decode_pass_s=0.0, decode_s_per_request=0.0).select(
-        RouteRequest(prompt_tokens=5_000), [cand(A, 1_000, pending=6_000)]
-    )
+    decision = policy(
+        prefill_tokens_per_s=10_000, decode_pass_s=0.0, decode_s_per_request=0.0, cache_weight=4.0
+    ).select(RouteRequest(prompt_tokens=5_000), [cand(A, 1_000, pending=6_000)])
     (score,) = decision.candidates
     assert score.breakdown["ttft_estimate_s"] == pytest.approx((6_000 + 4_000) / 10_000)
     assert score.breakdown["prefill_s"] == pytest.approx(1.0)
@@ -60,13 +60,29 @@ def test_score_is_an_estimate_in_seconds() -> None:
 
 
 def test_cache_affinity_weighs_cached_tokens_above_their_prefill_time() -> None:
-    # B's estimate is 0.1 s worse (5k more queued tokens) but it holds 4k cached tokens: weight 1 picks A,
-    # the default weight keeps the request with its cache.
+    # B's estimate is worse (9k more queued tokens) but it holds 4k cached tokens: weight 1 picks A,
+    # weight 4 keeps the request with its cache.
     request = RouteRequest(prompt_tokens=10_000)
     candidates = [cand(A, 0, pending=1_000), cand(B, 4_096, pending=10_000)]
     honest = policy(cache_weight=1.0, decode_pass_s=0.0, decode_s_per_request=0.0).select(request, candidates)
     assert honest.chosen == A
-    assert policy(decode_pass_s=0.0, decode_s_per_request=0.0).select(request, candidates).chosen == B
+    pinned = policy(cache_weight=4.0, decode_pass_s=0.0, decode_s_per_request=0.0)
+    assert pinned.select(request, candidates).chosen == B
+
+
+def test_derived_cache_weight_is_one_plus_the_measured_reuse() -> None:
+    kv = policy()
+    assert kv.cache_weight == 1.0  # nothing seen yet: a cached token is worth its prefill time now
+    # A request with 3k of its 4k prompt cached where it went: 3k reused for 1k computed.
+    kv.record(kv.select(RouteRequest(prompt_tokens=4_000), [cand(A, 3_000)]))
+    assert kv.reuse == pytest.approx(3.0)
+    assert kv.cache_weight == pytest.approx(4.0)
+    # Mostly cold traffic pulls it back toward 1; the breakdown shows the weight each decision used.
+    for _ in range(20):
+        kv.record(kv.select(RouteRequest(prompt_tokens=4_000), [cand(A)]))
+    assert 1.0 < kv.cache_weight < 1.1
+    decision = kv.select(RouteRequest(prompt_tokens=100), [cand(A)])
+    assert decision.candidates[0].breakdown["cache_weight"] == pytest.approx(kv.cache_weight)
 
 
 def test_decode_load_makes_a_replica_slower() -> None:
@@ -120,7 +136,9 @@ def test_select_is_a_dry_run() -> None:
 
 def test_prefill_in_progress_comes_off_the_queue() -> None:
     clock = FakeClock()
-    kv = KvAwarePolicy(KvAwareConfig(decode_pass_s=0.0, decode_s_per_request=0.0), clock=clock)
+    kv = KvAwarePolicy(
+        KvAwareConfig(prefill_tokens_per_s=48_000, decode_pass_s=0.0, decode_s_per_request=0.0), clock=clock
+    )
     big = RouteRequest(prompt_tokens=96_000)
     first = kv.select(big, [cand(A), cand(B, in_flight=1, pending=1)])
     assert first.chosen == A

@@ -9,6 +9,7 @@ import statistics
 import time
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient
 
 from kvrouter.server.app import LOAD, SESSION
@@ -255,6 +256,30 @@ async def test_debug_route_is_a_dry_run(fake_replicas: ReplicaFactory, make_rout
     assert served.headers["x-kvrouter-replica"] == "r0"
     bad = await client.post("/debug/route/nonsense", json=CHAT)
     assert bad.status == 400
+
+
+async def test_calibrated_costs_show_per_replica(fake_replicas: ReplicaFactory, make_router: RouterFactory) -> None:
+    replicas = await fake_replicas(2)
+    client = await make_router(replicas, policy="kv_aware")
+    # Before any traffic: the starting estimates, in the metrics and on every candidate of /debug/route.
+    assert await metric_value(client, "kvrouter_kv_calibrated_prefill_tokens_per_s", replica="r1") == 10_000
+    assert await metric_value(client, "kvrouter_kv_calibrated_samples", replica="r0") == 0
+    assert await metric_value(client, "kvrouter_kv_cache_weight") == 1.0
+    for _ in range(60):
+        assert (await client.post("/v1/completions", json={"prompt": "x"})).status == 200
+    route = await (await client.post("/debug/route", json={"prompt": "x"})).json()
+    for candidate in route["candidates"]:
+        name = candidate["replica"]
+        # Each replica was fitted on its own requests' TTFTs; the metric shows what the decision used.
+        assert candidate["calibration_samples"] >= 24
+        assert (
+            await metric_value(client, "kvrouter_kv_calibrated_samples", replica=name)
+            == (candidate["calibration_samples"])
+        )
+        assert await metric_value(client, "kvrouter_kv_calibrated_pass_seconds", replica=name) == pytest.approx(
+            candidate["pass_fixed_s"]
+        )
+        assert candidate["prefill_tokens_per_s"] > 0
 
 
 async def test_debug_route_needs_the_admin_token(fake_replicas: ReplicaFactory, make_router: RouterFactory) -> None:

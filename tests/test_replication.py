@@ -72,13 +72,17 @@ def test_replay_drain_with_warm_up_and_replication() -> None:
     catalog = PromptCatalog(trace_block_tokens=trace.block_tokens, block_size=64)
     prompts = [catalog.prepare(request) for request in trace.requests]
 
+    # The replicator acts on kv_aware's TTFT estimates: pinned costs (no calibration) keep this a test of its
+    # mechanics, not of what the calibration learns in the first seconds.
+    pinned = Settings(kv_calibrate=False, kv_prefill_tokens_per_s=48_000, kv_cache_weight=4.0)
+
     def run(options: ReplayOptions) -> tuple[Replay, ReplayResult]:
         clock = VirtualClock()
         replay = Replay(
             requests=trace.requests,
             prompts=prompts,
             catalog=catalog,
-            policy=KvAwarePolicy.from_settings(Settings(), clock=clock),
+            policy=KvAwarePolicy.from_settings(pinned, clock=clock),
             engine_factory=DynamoMockerEngine,
             options=options,
             clock=clock,

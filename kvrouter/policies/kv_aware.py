@@ -1,26 +1,37 @@
 """KV-aware routing: send each request where its first token is expected soonest, counting what is cached there.
 
-Algorithm. For every candidate replica the policy estimates this request's time to first token, in seconds:
+Algorithm. For every candidate replica the policy estimates this request's time to first token, in seconds, with
+that replica's own costs (`ReplicaCosts`: prefill rate R, fixed pass cost p, pass time d per decoding request):
 
     queue_tokens = pending prefill tokens already routed there (+ unseen waiting requests, see below)
     uncached     = prompt tokens - cached tokens there (0 credit when the replica is a hot spot)
-    prefill_s    = (queue_tokens + uncached) / (prefill_tokens_per_s * weight)
-    passes       = max(1, (queue_tokens + uncached) / batch_tokens)
-    decode_s     = passes * (decode_pass_s + decode_s_per_request * decoding requests there)
-    ttft_s       = prefill_s + decode_s                                       (the estimate)
-    affinity_s   = (cache_weight - 1) * cached tokens credited / (prefill_tokens_per_s * weight)
+    work         = queue_tokens + uncached
+    passes       = max(1, work / batch_tokens)
+    short        = max(0, 1 - work / batch_tokens)     (the part of one pass short work leaves empty)
+    ttft_s       = work / R + short * p + passes * d * decoding requests there      (the estimate)
+    token_s      = 1 / R + d * decoding requests there / batch_tokens               (one more prompt token's cost)
+    affinity_s   = (cache_weight - 1) * cached tokens credited * token_s
     score        = ttft_s - affinity_s
 
 and picks the lowest score; exact ties go to the replica with fewer requests in flight (per unit of weight),
 then rotate. The engines run prefills first-come-first-served in passes of at most `batch_tokens` prompt tokens,
-and every pass also carries the replica's decoding requests, so a busy decoder stretches each pass of the
-queue ahead: that is the decode term. Cached tokens follow the engine's rule (whole blocks, at most
-prompt - 1), as the router computed them from the prefix index. The affinity term values a cached token above
-the prefill time it saves now: keeping a conversation where its cache is saves the work again on its next turn
-and keeps one copy of a prefix in the fleet instead of several, so more of the fleet's memory holds distinct
-prefixes. On the Mooncake conversation trace a weight of 4 instead of 1 raises the fleet's hit rate from ~15.7%
-to ~17.7% of prompt tokens (a pooled 4M-token cache would reach 18.5%) and cuts TTFT p99 by 3% at x2.5 and 11%
-at x3.0 (docs/benchmarks.md).
+every pass pays a fixed cost and also carries the replica's decoding requests, so a busy decoder stretches each
+pass of the queue ahead. R is the throughput of full passes (their fixed cost included, as a prefill benchmark
+measures it), so p (what a short request pays beyond its tokens: the pass in progress and its own) adds only to
+work shorter than one pass. Cached tokens follow the engine's rule (whole blocks, at most prompt - 1), as the
+router computed them from the prefix index.
+
+Calibration (`calibrate`, on by default). R, p and d are learnt per replica from the TTFTs the router measures
+(`kvrouter.routing.calibration`: a robust fit of this very estimate to each replica's last few hundred requests,
+fed through `first_token`); the configured values are only the starting estimate (R x the replica's weight), used
+until a replica has a couple of dozen observations. Off, the configured values are used as they are (pinned).
+
+Cache weight. A cached token is worth more than the prefill time it saves now: routing a request away from its
+prefix computes that prefix a second time and stores a duplicate, which displaces as many tokens of other content
+from the fleet's cache, and a cached token is on average read again `reuse` times before it is evicted. So a
+credited token saves its prefill now plus `reuse` future prefills: cache_weight = 1 + reuse, where reuse is the
+fleet's ratio of cached to computed prompt tokens over this policy's recent decisions (decayed over
+`REUSE_HORIZON` decisions; 0 before the first). `cache_weight` set to a number pins it.
 
 Prefill progress. The load book counts a request's prefill tokens as pending until its first token, so a replica
 half-way through a 100k-token prompt would look as busy as one about to start it. The policy therefore keeps,
@@ -34,53 +45,62 @@ Hot-spot guard, per replica: a replica whose requests in flight exceed `hotspot_
 every request onto one replica; other replicas keep their credit and other requests still follow their prefixes.
 
 `select` is pure (it reads the candidates, the clock and the policy's history); `record` advances the tie-break
-rotation and the per-replica history. The clock is a parameter (the router's: monotonic live, virtual in replay).
+rotation, the per-replica history and the reuse ratio; `first_token` feeds the calibration. The clock is a
+parameter (the router's: monotonic live, virtual in replay).
 
-Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets:
-- `kv_prefill_tokens_per_s` [48000]: a replica's prefill throughput, prompt tokens per second.
-- `kv_batch_tokens` [8192]: prompt tokens one engine pass computes (vLLM's max_num_batched_tokens).
-- `kv_decode_pass_s` [0.012]: fixed cost a pass pays when the replica is decoding anything.
-- `kv_decode_s_per_request` [0.001]: extra pass time per decoding request there.
-- `kv_cache_weight` [4.0]: how much a cached token is worth in prefill time saved (1 = exactly its time now).
+Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets; none comes from a particular engine:
+- `kv_prefill_tokens_per_s` [10000]: starting estimate of a replica's prefill throughput, uncached tokens/s through
+  full passes.
+- `kv_decode_pass_s` [0.01]: starting estimate of the fixed cost of one engine pass.
+- `kv_decode_s_per_request` [0.0005]: starting estimate of the extra pass time per decoding request.
+- `kv_calibrate` [on]: learn the three above per replica; off pins them.
+- `kv_batch_tokens` [8192]: prompt tokens one engine pass computes (vLLM's max_num_batched_tokens default).
+- `kv_cache_weight` [derived: 1 + reuse]: how much a cached token is worth in prefill time saved.
 - `kv_waiting_request_tokens` [0]: prompt tokens assumed for each request the engine reports waiting beyond the
   ones this router is prefilling there (other routers' traffic; 0 = trust this router's own accounting).
 - `kv_hotspot_ratio` [2.0] and `kv_hotspot_slack` [8]: the hot-spot load cap described above.
 - `kv_tune` [off]: tune `cache_weight` online against measured TTFT (`kvrouter/routing/tuning.py`: 10% of decisions
-  probe the weight x1.25 and x0.75); each request's TTFT, as the router measured it, comes back through
-  `first_token` (from `kvrouter.routing.lifecycle.Routed`, live and in replay alike). Off by default: on the
-  Mooncake trace it did not beat the fixed weight (docs/benchmarks.md, "Beyond kv_aware").
+  probe the weight x1.25 and x0.75), starting from the pinned weight or 1. Off by default: on the Mooncake trace
+  it did not beat a fixed weight (docs/benchmarks.md, "Beyond kv_aware").
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvrouter.policies.base import Candidate, CandidateScore, Decision, RouteRequest
+from kvrouter.routing.calibration import CostCalibrator, Observation, ReplicaCosts
 from kvrouter.routing.tuning import WeightTuner
 from kvrouter.typedefs import ReplicaName
+
+REUSE_HORIZON = 2000
+"""Decisions over which the reuse ratio's token sums decay (by 1/e): a memory of minutes of traffic."""
 
 
 @dataclass(frozen=True, slots=True)
 class KvAwareConfig:
-    prefill_tokens_per_s: float = 48_000.0
+    prefill_tokens_per_s: float = 10_000.0
     batch_tokens: int = 8192
-    decode_pass_s: float = 0.012
-    decode_s_per_request: float = 0.001
+    decode_pass_s: float = 0.01
+    decode_s_per_request: float = 0.0005
     waiting_request_tokens: int = 0
-    cache_weight: float = 4.0
+    cache_weight: float | None = None
+    """None: derived online as 1 + the fleet's reuse ratio."""
     hotspot_ratio: float = 2.0
     hotspot_slack: float = 8.0
     tune: bool = False
+    calibrate: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.batch_tokens <= 0:
             raise ValueError("prefill_tokens_per_s and batch_tokens must be positive")
-        if min(self.decode_pass_s, self.decode_s_per_request, self.waiting_request_tokens, self.cache_weight) < 0:
-            raise ValueError("decode costs and waiting_request_tokens must not be negative")
+        weight = 0.0 if self.cache_weight is None else self.cache_weight
+        if min(self.decode_pass_s, self.decode_s_per_request, self.waiting_request_tokens, weight) < 0:
+            raise ValueError("decode costs, waiting_request_tokens and cache_weight must not be negative")
         if self.hotspot_ratio <= 0 or self.hotspot_slack < 0:
             raise ValueError("hotspot_ratio must be positive and hotspot_slack not negative")
 
@@ -125,11 +145,16 @@ class KvAwarePolicy:
     name = "kv_aware"
 
     def __init__(self, config: KvAwareConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config or KvAwareConfig()
+        self.config = config = config or KvAwareConfig()
         self.clock = clock
         self._turn = 0
         self._lanes: dict[ReplicaName, _Lane] = {}
-        self.tuner = WeightTuner(self.config.cache_weight) if self.config.tune else None
+        start = ReplicaCosts(config.prefill_tokens_per_s, config.decode_pass_s, config.decode_s_per_request)
+        self.start_costs = start
+        self.calibration = CostCalibrator(start) if config.calibrate else None
+        self.tuner = WeightTuner(1.0 if config.cache_weight is None else config.cache_weight) if config.tune else None
+        self._reused = 0.0
+        self._computed = 0.0
 
     @classmethod
     def from_settings(cls, settings: Any, *, clock: Callable[[], float] = time.monotonic) -> KvAwarePolicy:
@@ -141,6 +166,27 @@ class KvAwarePolicy:
         }
         return cls(KvAwareConfig(**values), clock=clock)
 
+    def costs(self, replica: ReplicaName, weight: float = 1.0) -> ReplicaCosts:
+        """The costs the policy prices `replica` with now (calibrated, or the pinned values x weight)."""
+        if self.calibration is not None:
+            return self.calibration.costs(replica, weight)
+        start = self.start_costs
+        return ReplicaCosts(start.prefill_tokens_per_s * weight, start.pass_s, start.decode_s_per_request)
+
+    def priced_costs(self, replicas: Iterable[tuple[str, float]]) -> dict[str, ReplicaCosts]:
+        """The costs of each (replica, weight) now (for the metrics)."""
+        return {name: self.costs(ReplicaName(name), weight) for name, weight in replicas}
+
+    @property
+    def reuse(self) -> float:
+        """Cached prompt tokens per computed one over recent decisions (the derived cache weight's reason)."""
+        return self._reused / self._computed if self._computed > 0 else 0.0
+
+    @property
+    def cache_weight(self) -> float:
+        pinned = self.config.cache_weight
+        return 1.0 + self.reuse if pinned is None else pinned
+
     def _cap(self, candidates: Sequence[Candidate]) -> float:
         mean = sum(c.load.in_flight / c.weight for c in candidates) / len(candidates)
         return self.config.hotspot_ratio * mean + self.config.hotspot_slack
@@ -149,32 +195,34 @@ class KvAwarePolicy:
         self, request: RouteRequest, candidate: Candidate, cap: float, now: float, weight: float | None = None
     ) -> CandidateScore:
         config = self.config
-        cache_weight = config.cache_weight if weight is None else weight
+        cache_weight = self.cache_weight if weight is None else weight
+        costs = self.costs(candidate.replica, candidate.weight)
+        rate = costs.prefill_tokens_per_s
         load = candidate.load
         prompt = request.prompt_tokens or 0
         relative_load = load.in_flight / candidate.weight
         hot = relative_load > cap
         credit = 0 if hot else min(candidate.cached_tokens, prompt)
         uncached = prompt - credit
-        busy = load.decode_requests > 0
-        pass_s = config.decode_pass_s + config.decode_s_per_request * load.decode_requests if busy else 0.0
+        decode_pass_s = costs.decode_s_per_request * load.decode_requests
+        token_s = 1.0 / rate + decode_pass_s / config.batch_tokens
         lane = self._lanes.get(candidate.replica)
         done = 0.0
         # The lane follows this router's own requests: other instances' pending prefill (shared load) is queue.
         own_pending = load.pending_prefill_tokens - load.peer_pending_prefill_tokens
         if lane is not None and own_pending > 0:
-            rate = config.batch_tokens / (config.batch_tokens / config.prefill_tokens_per_s + pass_s)
-            done = min(lane.in_progress(own_pending, now, rate * candidate.weight), float(own_pending))
+            done = min(lane.in_progress(own_pending, now, 1.0 / token_s), float(own_pending))
         queue = load.pending_prefill_tokens - done
         if config.waiting_request_tokens and load.engine_waiting is not None:
             prefilling_here = load.in_flight - load.decode_requests
             queue += max(0, load.engine_waiting - prefilling_here) * config.waiting_request_tokens
         work = queue + uncached
-        prefill_s = work / (config.prefill_tokens_per_s * candidate.weight)
+        prefill_s = work / rate
         passes = max(1.0, work / config.batch_tokens)
-        decode_s = passes * pass_s
+        short = max(0.0, 1.0 - work / config.batch_tokens)
+        decode_s = short * costs.pass_s + passes * decode_pass_s
         ttft_s = prefill_s + decode_s
-        affinity_s = (cache_weight - 1.0) * credit / (config.prefill_tokens_per_s * candidate.weight)
+        affinity_s = (cache_weight - 1.0) * credit * token_s
         score = ttft_s - affinity_s
         breakdown = {
             "cached_tokens": float(candidate.cached_tokens),
@@ -186,7 +234,7 @@ class KvAwarePolicy:
             "queued_prefill_tokens": float(queue),
             "prefill_s": prefill_s,
             "passes": passes,
-            "decode_pass_s": pass_s,
+            "decode_pass_s": decode_pass_s,
             "decode_s": decode_s,
             "ttft_estimate_s": ttft_s,
             "affinity_s": affinity_s,
@@ -197,6 +245,10 @@ class KvAwarePolicy:
             "weight": candidate.weight,
             "prompt_tokens": float(prompt),
             "cache_weight": cache_weight,
+            "prefill_tokens_per_s": rate,
+            "pass_fixed_s": costs.pass_s,
+            "decode_s_per_request": costs.decode_s_per_request,
+            "calibration_samples": float(costs.samples),
         }
         return CandidateScore(candidate.replica, candidate.cached_tokens, score, breakdown)
 
@@ -222,8 +274,19 @@ class KvAwarePolicy:
 
     def first_token(self, decision: Decision, ttft_s: float, prompt_tokens: int) -> None:
         chosen = decision.score_of(decision.chosen)
-        if chosen is not None and "cache_weight" in chosen.breakdown:
-            self.observe_ttft(chosen.breakdown["cache_weight"], ttft_s, prompt_tokens)
+        if chosen is None or "cache_weight" not in chosen.breakdown:
+            return
+        breakdown = chosen.breakdown
+        self.observe_ttft(breakdown["cache_weight"], ttft_s, prompt_tokens)
+        if self.calibration is not None:
+            # The work the engine does before this first token: the queue ahead and what it computes of this prompt
+            # (the index's prediction, whatever credit the hot-spot guard withheld).
+            work = breakdown["queued_prefill_tokens"] + max(0.0, breakdown["prompt_tokens"] - chosen.cached_tokens)
+            batch = self.config.batch_tokens
+            observation = Observation(
+                work, max(0.0, 1.0 - work / batch), max(1.0, work / batch), breakdown["decode_requests"], ttft_s
+            )
+            self.calibration.observe(decision.chosen, observation, breakdown.get("weight", 1.0))
 
     def record(self, decision: Decision) -> None:
         self._turn += 1
@@ -237,7 +300,11 @@ class KvAwarePolicy:
             lane.observe(int(pending), now)
             if scored.replica == decision.chosen:
                 # What the load book counts for it: the prompt minus what is cached there.
-                tokens = int(scored.breakdown.get("prompt_tokens", 0.0)) - scored.cached_tokens
+                prompt = int(scored.breakdown.get("prompt_tokens", 0.0))
+                tokens = prompt - scored.cached_tokens
                 if tokens > 0:
                     lane.sent.append((now, tokens))
                     lane.total += tokens
+                decay = 1.0 - 1.0 / REUSE_HORIZON
+                self._reused = self._reused * decay + min(scored.cached_tokens, prompt)
+                self._computed = self._computed * decay + max(0, tokens)

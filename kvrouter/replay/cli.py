@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -40,7 +41,7 @@ from kvrouter.replay.hotspot import hot_spot
 from kvrouter.replay.prompts import PromptCatalog
 from kvrouter.replay.report import summarize, table, write_outputs
 from kvrouter.replay.routers import RouterSpread
-from kvrouter.replay.trace import TraceError, load_trace
+from kvrouter.replay.trace import TraceError, load_trace, unshared
 from kvrouter.sim.model import EngineModel
 from kvrouter.sim.profiles import build_engine, get_profile
 
@@ -51,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=4, help="Simulated engines.")
     parser.add_argument("--profile", default="dynamo-mocker", help="Engine profile (see `kvrouter sim --help`).")
     parser.add_argument("--speedup", type=float, default=1.0, help="Divide the trace's timestamps by this.")
+    parser.add_argument(
+        "--speeds",
+        default=None,
+        help="Per-engine speed, comma-separated (1,1,0.5,0.5: two engines at half speed); default all 1.",
+    )
+    parser.add_argument(
+        "--unshared", action="store_true", help="Make every request's prefix unique (routing by load alone)."
+    )
     parser.add_argument("--out", type=Path, default=None, help="Directory for report.json, CSVs and the plot.")
     parser.add_argument("--limit", type=int, default=None, help="Replay only the first N requests.")
     parser.add_argument("--block-tokens", type=int, default=None, help="Tokens per trace block (512 / 32).")
@@ -86,6 +95,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="Policies replayed at once (forked processes)."
     )
+
+
+def _speeds(text: str | None, replicas: int) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        speeds = [float(item) for item in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--speeds: expected comma-separated numbers, got {text!r}") from None
+    if len(speeds) != replicas or min(speeds) <= 0:
+        raise ConfigError(f"--speeds: expected {replicas} positive numbers (one per engine), got {text!r}")
+    return speeds
 
 
 def _settings(overrides: list[str]) -> Settings:
@@ -174,8 +195,11 @@ def run(args: argparse.Namespace) -> int:
             for delay in (sharing if args.routers > 1 else [0.0])
         ]
         profile = get_profile(args.profile)
+        speeds = _speeds(args.speeds, args.replicas)
         trace = load_trace(args.trace, speedup=args.speedup, block_tokens=args.block_tokens, limit=args.limit)
         trace = hot_spot(trace, share=args.hot_share, start=args.hot_start, prefix_blocks=args.hot_prefix_blocks)
+        if args.unshared:
+            trace = unshared(trace)
     except (ConfigError, ValueError, TraceError, OSError) as error:
         print(f"kvrouter replay: {error}", file=sys.stderr)
         return 2
@@ -184,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
         return build_engine(profile)
 
     engine_factory: EngineFactory = factory
+    engines: EngineFactory | list[EngineFactory] = engine_factory
+    if speeds is not None:
+        engines = [functools.partial(build_engine, profile, speed=speed) for speed in speeds]
     started = time.perf_counter()
     block_size = engine_factory().block_size
     catalog = PromptCatalog(
@@ -216,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
                 prompts=prompts,
                 catalog=catalog,
                 policy=replay_policy_object(name, settings, clock),
-                engine_factory=engine_factory,
+                engine_factory=engines,
                 options=dataclasses.replace(options, routers=spread),
                 clock=clock,
                 policy_factory=lambda: replay_policy_object(name, settings, clock),
@@ -237,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
         "replicas": args.replicas,
         "profile": args.profile,
         "speedup": args.speedup,
+        "speeds": speeds,
+        "unshared": args.unshared,
         "event_delay_s": args.event_delay,
         "scrape_interval_s": args.scrape_interval,
         "overrides": args.overrides,

@@ -46,6 +46,7 @@ from kvrouter.sim.model import CacheCleared, EngineModel, EngineRequest, KvEvent
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
 
 EngineFactory = Callable[[], EngineModel]
+"""Builds one simulated engine; `Replay` takes one for every engine alike, or one per engine (a mixed fleet)."""
 
 _PASS_END, _KV_EVENTS, _LOAD_SHARE, _SCRAPE, _DRAIN, _ARRIVAL, _PASS_START = range(7)
 
@@ -140,7 +141,7 @@ class Replay:
         prompts: Sequence[PreparedPrompt],
         catalog: PromptCatalog,
         policy: Policy,
-        engine_factory: EngineFactory,
+        engine_factory: EngineFactory | Sequence[EngineFactory],
         options: ReplayOptions | None = None,
         clock: VirtualClock | None = None,
         policy_factory: Callable[[], Policy] | None = None,
@@ -168,7 +169,14 @@ class Replay:
         self._spreader = Spreader(spread)
         self._instance_of: dict[str, RouterInstance] = {}
         self._removals_lost = 0.0
-        self.engines = [_Engine(name, engine_factory()) for name in replica_names(self.options.replicas)]
+        names = replica_names(self.options.replicas)
+        if callable(engine_factory):
+            factories: Sequence[EngineFactory] = [engine_factory] * len(names)
+        elif len(engine_factory) == len(names):
+            factories = engine_factory
+        else:
+            raise ValueError(f"{len(engine_factory)} engine factories for {len(names)} replicas")
+        self.engines = [_Engine(name, factory()) for name, factory in zip(names, factories, strict=True)]
         block_size = self.engines[0].model.block_size
         if block_size != catalog.block_size:
             raise ValueError(f"the engines' block size {block_size} differs from the prompts' {catalog.block_size}")
@@ -481,7 +489,7 @@ def replay_policy(
     prompts: Sequence[PreparedPrompt],
     catalog: PromptCatalog,
     policy: Policy,
-    engine_factory: EngineFactory,
+    engine_factory: EngineFactory | Sequence[EngineFactory],
     options: ReplayOptions | None = None,
     clock: VirtualClock | None = None,
     policy_factory: Callable[[], Policy] | None = None,

@@ -2,7 +2,9 @@
 
 Fields follow `kvrouter.loadgen.report` (times in seconds, nearest-rank percentiles): ttft_p50/p90/p99,
 e2e_p50/p99, requests_per_s and output_tokens_per_s over the span from the first arrival to the last finish,
-hit_rate = prompt tokens the engines served from cache ÷ prompt tokens, and per replica its share of requests.
+hit_rate = prompt tokens the engines served from cache ÷ prompt tokens, and per replica its share of requests and
+its `prefill_share` of the prompt tokens the fleet computed (not served from cache: the work a replica's speed
+pays for).
 Replay adds `predicted_hit_rate` (what the router believed was cached where it sent each request), preemptions,
 and the floor: each request's TTFT alone on an idle engine with the best cache any earlier request could have
 left (`floor_ttft_p50`/`p99`), the bound no routing can beat.
@@ -52,6 +54,7 @@ def summarize(result: ReplayResult, floors: Sequence[float] | None = None) -> di
         cached_by[record.replica] += record.cached_tokens
         prompt_by[record.replica] += record.prompt_tokens
     total = len(records)
+    computed = prompt - sum(cached_by.values())
     summary: dict[str, Any] = {
         "policy": result.policy,
         "scheduled": total,
@@ -72,6 +75,7 @@ def summarize(result: ReplayResult, floors: Sequence[float] | None = None) -> di
                 "share": counts[name] / total if total else None,
                 "requests": counts[name],
                 "hit_rate": cached_by[name] / prompt_by[name] if prompt_by[name] else None,
+                "prefill_share": (prompt_by[name] - cached_by[name]) / computed if computed > 0 else None,
             }
             for name in result.replicas
         },

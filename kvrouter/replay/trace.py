@@ -84,4 +84,26 @@ def load_trace(
     return Trace(tuple(requests), block_tokens, str(source))
 
 
-__all__ = ["GMI_BLOCK_TOKENS", "MOONCAKE_BLOCK_TOKENS", "Trace", "TraceError", "TraceRequest", "load_trace"]
+def unshared(trace: Trace) -> Trace:
+    """The same arrivals and lengths with no prefix shared between requests (every chain id made unique), so
+    that routing is decided by load alone."""
+    requests = []
+    next_id = 0
+    for request in trace.requests:
+        chain = tuple(range(next_id, next_id + len(request.chain)))
+        next_id += len(chain)
+        requests.append(
+            TraceRequest(request.index, request.arrival, request.input_length, request.output_length, chain)
+        )
+    return Trace(tuple(requests), trace.block_tokens, trace.source)
+
+
+__all__ = [
+    "GMI_BLOCK_TOKENS",
+    "MOONCAKE_BLOCK_TOKENS",
+    "Trace",
+    "TraceError",
+    "TraceRequest",
+    "load_trace",
+    "unshared",
+]

@@ -20,7 +20,7 @@ Knobs: `queue_target_s` (`KVROUTER_SATURATION_QUEUE_S`: seconds of queued prefil
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvrouter.policies.base import ReplicaLoad
@@ -68,21 +68,29 @@ class SaturationConfig:
             raise ValueError("prefill_tokens_per_s and queue_target_s must be positive")
 
 
-def replica_saturation(load: ReplicaLoad, weight: float, config: SaturationConfig) -> float:
-    capacity = config.prefill_tokens_per_s * max(weight, 1e-9) * config.queue_target_s
+def replica_saturation(load: ReplicaLoad, weight: float, config: SaturationConfig, rate: float | None = None) -> float:
+    """`rate`: the replica's own prefill rate when the policy has learnt it (kv_aware's calibration); without it
+    the configured rate per unit of weight."""
+    tokens_per_s = rate if rate is not None and rate > 0 else config.prefill_tokens_per_s * max(weight, 1e-9)
+    capacity = tokens_per_s * config.queue_target_s
     prefill = max(0, load.pending_prefill_tokens) / capacity
     kv = load.kv_usage if load.kv_usage is not None else 0.0
     return min(1.0, max(0.0, prefill, kv))
 
 
-def fleet_saturation(replicas: Iterable[tuple[ReplicaLoad | None, float]], config: SaturationConfig) -> float:
+def fleet_saturation(
+    replicas: Iterable[tuple[ReplicaLoad | None, float]],
+    config: SaturationConfig,
+    rates: Sequence[float | None] = (),
+) -> float:
     """Weighted mean saturation of `(load, weight)` pairs, the fleet's replicas in service (draining ones left
     out); a replica that cannot take requests now (load None: its breaker is open) absorbs nothing and counts
     as full, and so does an empty fleet (1.0): both are reasons to add capacity, never to remove it."""
     total = weighted = 0.0
-    for load, weight in replicas:
+    for position, (load, weight) in enumerate(replicas):
+        rate = rates[position] if position < len(rates) else None
         total += weight
-        weighted += weight * (1.0 if load is None else replica_saturation(load, weight, config))
+        weighted += weight * (1.0 if load is None else replica_saturation(load, weight, config, rate))
     return weighted / total if total > 0 else 1.0
 
 

@@ -34,7 +34,7 @@ from kvrouter.config import ConfigError, FleetConfig, Settings
 from kvrouter.events.embedded import EmbeddedEvents
 from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import CountingIndexWriter
-from kvrouter.metrics import RouterMetrics
+from kvrouter.metrics import CalibrationCollector, CostSource, RouterMetrics
 from kvrouter.policies import build_policy
 from kvrouter.redisplane.loadplane import LoadPlaneCollector, RedisLoadPlane, build_load_plane, instance_name
 from kvrouter.redisplane.wiring import build_follower
@@ -206,8 +206,9 @@ def create_app(
             )
             metrics.registry.register(LoadPlaneCollector(plane))
         prefix.contexts.append(plane.context)
+    policy = build_policy(settings.policy, settings, clock=clock)
     router = Router(
-        policy=build_policy(settings.policy, settings, clock=clock),
+        policy=policy,
         load=load,
         index=prefix.lookup,
         tokenizer=prefix.tokenizer,
@@ -216,8 +217,12 @@ def create_app(
         listeners=[*prefix.request_listeners, quality, *([share] if share is not None else [])],
         clock=clock,
     )
+    cost_source = policy if isinstance(policy, CostSource) else None
+    if cost_source is not None:
+        collector = CalibrationCollector(cost_source, lambda: [(r.name, r.route.weight) for r in replicas])
+        metrics.registry.register(collector)
     saturation = SaturationConfig(settings.kv_prefill_tokens_per_s, settings.saturation_queue_s)
-    metrics.registry.register(QualityCollector(quality, replicas, load, saturation))
+    metrics.registry.register(QualityCollector(quality, replicas, load, saturation, costs=cost_source))
     forget = forget_replica(prefix.index, prefix.event_listeners, clock)
     replicas.on_gone = forget
     proxy = Proxy(settings=settings, router=router, replicas=replicas, load=load, metrics=metrics, clock=clock)

@@ -58,6 +58,9 @@ CPU), max_model_len 4096. Check: an uncached 2,048-token prompt gives 140 ms in 
 client TTFT 138-142 ms); the same prompt repeated (2,016 cached) gives 8 + ~7 = 15 ms (measured 14-18 ms).
 Before that calibration existed, runs/s1_basic_bs32 of the fixtures (latency.json) suggested a similar shape.
 
+Any profile runs slower or faster with `speed` (`build_engine(..., speed=0.5)`, `kvrouter replay --speeds`): every
+pass's duration is divided by it, so a fleet of two GPU generations is one profile at two speeds.
+
 `dynamo-mocker` — Dynamo 1.6.1's mocker engine model (`sim/mocker.py`) with its own pass timing and defaults
 (16,384 blocks of 64 tokens, 8,192-token budget, 256 sequences); the HTTP front end uses `b200x4-moe-1t`'s.
 """
@@ -86,16 +89,22 @@ class Profile:
     max_model_len: int
     engine: str = "vllm"
     """"vllm" (sim/engine.py) or "dynamo-mocker" (sim/mocker.py)."""
+    speed: float = 1.0
+    """Divides every pass's duration: 0.5 is the same engine on hardware half as fast (a mixed fleet)."""
+
+    def __post_init__(self) -> None:
+        if self.speed <= 0:
+            raise ValueError("speed must be positive")
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_attention: float) -> float:
         if prefill_tokens == 0 and decode_seqs == 0:
-            return self.step_overhead_s
+            return self.step_overhead_s / self.speed
         return (
             self.step_overhead_s
             + self.per_token_s * (prefill_tokens + decode_seqs)
             + self.kv_read_s_per_token * context_tokens
             + self.attention_s_per_pair * prefill_attention
-        )
+        ) / self.speed
 
     def num_gpu_blocks(self, block_size: int | None = None) -> int:
         """vLLM's num_gpu_blocks at this block size (the null block included, as vLLM reports it)."""
@@ -181,8 +190,11 @@ def build_engine(
     block_size: int | None = None,
     num_gpu_blocks: int | None = None,
     hash_seed: int = 0,
+    speed: float | None = None,
 ) -> EngineModel:
-    """The engine model a profile names, sized by the profile unless overridden."""
+    """The engine model a profile names, sized by the profile unless overridden; `speed` overrides its speed."""
+    if speed is not None:
+        profile = replace(profile, speed=speed)
     if profile.engine == "vllm":
         config = profile.scheduler_config(block_size=block_size, num_gpu_blocks=num_gpu_blocks)
         return VllmEngine(config, profile, hash_seed=hash_seed)
@@ -195,6 +207,7 @@ def build_engine(
             defaults,
             num_blocks=num_gpu_blocks if num_gpu_blocks is not None else defaults.num_blocks,
             block_size=block_size or defaults.block_size,
+            speedup=defaults.speedup * profile.speed,
         )
         return DynamoMockerEngine(mocker_config)
     raise ValueError(f"profile {profile.name!r} names an unknown engine {profile.engine!r}")

@@ -1,0 +1,284 @@
+"""Per-replica cost calibration: learn each replica's prefill rate and pass costs from the TTFTs it delivers.
+
+kv_aware prices a replica with three numbers (`ReplicaCosts`): its prefill throughput (uncached prompt tokens per
+second through full passes, each pass's fixed cost included), the fixed cost of one engine pass, and the extra pass
+time per request decoding there. A fleet of another
+model, another GPU or two GPU generations has other numbers, so `CostCalibrator` learns them per replica from what
+the router sees of every request it routed: at dispatch, the prefill work ahead of and including the request
+(queued tokens + its own uncached tokens), the engine passes that work takes and the requests decoding there; at
+its first token, the measured TTFT. The model is the policy's own estimate,
+
+    ttft = work / prefill_tokens_per_s + short * pass_s + passes * decoding * decode_s_per_request,
+
+where short = max(0, 1 - work / batch_tokens) is the part of a single pass the work leaves empty (a short request
+still pays a whole pass's fixed cost; long work pays it inside the throughput). It is linear in (pass_s,
+decode_s_per_request, 1 / prefill_tokens_per_s), and every coefficient shows in its own kind of request (short
+ones, ones behind busy decoders, long ones), so each replica keeps a window of its last
+`window` observations and refits them every `refit_every` new ones by least absolute deviations (iteratively
+reweighted least squares): the fit follows the median request, so a preempted request that waited seconds, a cold
+start's first slow passes or a request whose cache was evicted under it move it as much as any other single
+sample and no more. Coefficients stay non-negative and inside physical bounds; a fit that comes out singular or
+non-finite keeps the last estimate (counted in `rejected_fits`).
+
+Start and convergence: until a replica has `min_samples` observations it is priced like its calibrated peers (the
+median of their fits, the prefill rate per unit of replicas.yaml weight); before any replica has a fit, with a
+fit of the whole fleet's observations pooled (ready after `min_samples` requests in all, so N replicas get a first
+estimate N times sooner), and before even that with the starting estimates (`kv_prefill_tokens_per_s` x the
+replica's weight, `kv_decode_pass_s`, `kv_decode_s_per_request`); after that with its own fit. Each refit is
+pulled toward the previous estimate with the strength of `prior_samples` observations, which keeps a coefficient
+steady while the window holds no request that shows it (no short request, nothing decoding); the starting values
+fade out at the first refits. The window makes it follow a replica that restarts on other hardware within
+`window` requests. `forget` drops a replica.
+
+The engines' own /metrics are not a source yet. vLLM 0.32 exports per-request `vllm:request_prefill_time_seconds`,
+`vllm:request_prefill_kv_computed_tokens`, `vllm:time_to_first_token_seconds`, `vllm:request_queue_time_seconds`
+and per-pass `vllm:iteration_tokens_total` histograms, but no pass duration: prefill-time sums overlap wherever a
+pass batches several prefills, so their ratio understates the rate under load, while the router's own view (TTFT
+against the work it routed) prices exactly what the estimate predicts, on any engine.
+
+Pure and synchronous; no clock (observations carry their TTFT). Knobs (`CalibrationConfig`): `window` [256],
+`min_samples` [24], `refit_every` [16], `prior_samples` [1], `iterations` [10].
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from kvrouter.typedefs import ReplicaName
+
+_MIN_RATE, _MAX_RATE = 100.0, 1e8
+"""Prefill tokens/s a fit may claim: from a CPU toy to far beyond any accelerator."""
+_MAX_PASS_S = 2.0
+_MAX_PER_REQUEST_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCosts:
+    """What one replica's work costs, as kv_aware prices it."""
+
+    prefill_tokens_per_s: float
+    pass_s: float
+    """Fixed cost of one engine pass."""
+    decode_s_per_request: float
+    """Extra pass time per request decoding on the replica."""
+    samples: int = 0
+    """Observations behind these values (0: the starting estimate)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One request's dispatch-time picture and its measured time to first token."""
+
+    work_tokens: float
+    """Prefill tokens ahead of the request on its replica plus its own uncached tokens."""
+    short: float
+    """max(0, 1 - work_tokens / batch_tokens): the part of one pass the work leaves empty."""
+    passes: float
+    decoding: float
+    """Requests decoding on the replica when it was dispatched."""
+    ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationConfig:
+    window: int = 256
+    min_samples: int = 24
+    refit_every: int = 16
+    prior_samples: float = 1.0
+    iterations: int = 10
+
+    def __post_init__(self) -> None:
+        if self.window < 3 or not 3 <= self.min_samples <= self.window or self.refit_every < 1:
+            raise ValueError("window >= 3, 3 <= min_samples <= window, refit_every >= 1")
+        if self.prior_samples < 0 or self.iterations < 1:
+            raise ValueError("prior_samples >= 0 and iterations >= 1")
+
+
+@dataclass(slots=True)
+class _Replica:
+    observations: deque[Observation]
+    costs: ReplicaCosts | None = None
+    """The last accepted fit; None until there is one."""
+    since_fit: int = 0
+    seen: int = 0
+    weight: float = 1.0
+
+
+@dataclass(slots=True)
+class CostCalibrator:
+    """Per-replica `ReplicaCosts`, from a starting estimate to a fit of the replica's own observations."""
+
+    start: ReplicaCosts
+    config: CalibrationConfig = field(default_factory=CalibrationConfig)
+    rejected_fits: int = 0
+    _replicas: dict[ReplicaName, _Replica] = field(default_factory=dict)
+    _fleet: _Replica | None = None
+    """Every replica's observations pooled (work per unit of weight): the first fit, before any replica has its own."""
+
+    def costs(self, replica: ReplicaName, weight: float = 1.0) -> ReplicaCosts:
+        """The replica's current costs: its own fit, else its peers' (median), else the fleet's pooled fit, else
+        the start; `weight` (replicas.yaml) scales the borrowed prefill rate only."""
+        state = self._replicas.get(replica)
+        if state is not None and state.costs is not None:
+            return state.costs
+        fitted = [(other.costs, other.weight) for other in self._replicas.values() if other.costs is not None]
+        if fitted:
+            # Like its peers until it shows otherwise: a pessimistic start would keep a new replica idle.
+            return ReplicaCosts(
+                _median([c.prefill_tokens_per_s / w for c, w in fitted]) * weight,
+                _median([c.pass_s for c, _ in fitted]),
+                _median([c.decode_s_per_request for c, _ in fitted]),
+            )
+        pooled = self._fleet.costs if self._fleet is not None else None
+        base = self.start if pooled is None else pooled
+        if weight == 1.0 and pooled is None:
+            return base
+        return ReplicaCosts(base.prefill_tokens_per_s * weight, base.pass_s, base.decode_s_per_request)
+
+    def replicas(self) -> list[ReplicaName]:
+        return list(self._replicas)
+
+    def observe(self, replica: ReplicaName, observation: Observation, weight: float = 1.0) -> None:
+        if not (math.isfinite(observation.ttft_s) and observation.ttft_s >= 0 and observation.passes > 0):
+            return
+        if weight <= 0 or not math.isfinite(weight):
+            weight = 1.0
+        state = self._replicas.get(replica)
+        if state is None:
+            state = self._replicas[replica] = _Replica(deque(maxlen=self.config.window))
+        state.weight = weight
+        self._add(state, observation, lambda: self.costs(replica, weight))
+        if not any(other.costs is not None for other in self._replicas.values()):
+            # Until one replica has its own fit, the fleet's pooled observations give the first estimate sooner.
+            fleet = self._fleet
+            if fleet is None:
+                fleet = self._fleet = _Replica(deque(maxlen=self.config.window))
+            per_weight = replace(observation, work_tokens=observation.work_tokens / weight)
+            self._add(fleet, per_weight, lambda: self._fleet_prior())
+
+    def _fleet_prior(self) -> ReplicaCosts:
+        fleet = self._fleet
+        return fleet.costs if fleet is not None and fleet.costs is not None else self.start
+
+    def _add(self, state: _Replica, observation: Observation, prior: Callable[[], ReplicaCosts]) -> None:
+        state.observations.append(observation)
+        state.seen += 1
+        state.since_fit += 1
+        if len(state.observations) >= self.config.min_samples and (
+            state.costs is None or state.since_fit >= self.config.refit_every
+        ):
+            state.since_fit = 0
+            fitted = fit_costs(state.observations, prior(), self.config)
+            if fitted is None:
+                self.rejected_fits += 1
+            else:
+                state.costs = ReplicaCosts(
+                    fitted.prefill_tokens_per_s, fitted.pass_s, fitted.decode_s_per_request, state.seen
+                )
+
+    def forget(self, replica: ReplicaName) -> None:
+        self._replicas.pop(replica, None)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def fit_costs(
+    observations: Sequence[Observation], prior: ReplicaCosts, config: CalibrationConfig | None = None
+) -> ReplicaCosts | None:
+    """Least-absolute-deviation fit of the TTFT model to `observations`, pulled toward `prior`; None if it fails."""
+    config = config or CalibrationConfig()
+    rows = [(o.short, o.passes * o.decoding, o.work_tokens) for o in observations]
+    targets = [o.ttft_s for o in observations]
+    count = len(rows)
+    if count < 3:
+        return None
+    prior_beta = [prior.pass_s, prior.decode_s_per_request, 1.0 / prior.prefill_tokens_per_s]
+    # Columns differ by orders of magnitude (passes ~1-20, tokens ~1e3-1e5): scale each to unit mean square.
+    scales = [math.sqrt(sum(row[j] ** 2 for row in rows) / count) or 1.0 for j in range(3)]
+    scaled = [[row[j] / scales[j] for j in range(3)] for row in rows]
+    prior_scaled = [prior_beta[j] * scales[j] for j in range(3)]
+    typical = sorted(targets)[count // 2]
+    floor = max(1e-4, 1e-3 * typical)
+    # The prior enters as one pseudo-observation per coefficient (that coefficient's column at its typical size),
+    # counted `prior_samples` times and reweighted like the rest: an absolute-deviation pull toward it.
+    multiplicity = [1.0] * count
+    if config.prior_samples > 0:
+        for j in range(3):
+            scaled.append([1.0 if k == j else 0.0 for k in range(3)])
+            targets.append(prior_scaled[j])
+            multiplicity.append(config.prior_samples)
+    beta = prior_scaled
+    weights = multiplicity  # the first pass is plain least squares; then each residual reweights its row
+    for _ in range(config.iterations):
+        solved = _solve_nonnegative(scaled, targets, weights)
+        if solved is None:
+            return None
+        beta = solved
+        residuals = [y - sum(x[j] * beta[j] for j in range(3)) for x, y in zip(scaled, targets, strict=True)]
+        weights = [m / max(abs(r), floor) for r, m in zip(residuals, multiplicity, strict=True)]
+    pass_s, per_request, per_token = (beta[j] / scales[j] for j in range(3))
+    if not all(math.isfinite(value) for value in (pass_s, per_request, per_token)):
+        return None
+    rate = _MAX_RATE if per_token <= 1.0 / _MAX_RATE else min(_MAX_RATE, max(_MIN_RATE, 1.0 / per_token))
+    return ReplicaCosts(rate, min(_MAX_PASS_S, pass_s), min(_MAX_PER_REQUEST_S, per_request), count)
+
+
+def _solve_nonnegative(
+    rows: Sequence[Sequence[float]],
+    targets: Sequence[float],
+    weights: Sequence[float],
+) -> list[float] | None:
+    """Weighted least squares with coefficients >= 0 (a negative one is pinned at 0 and the rest refit)."""
+    free = [0, 1, 2]
+    while free:
+        size = len(free)
+        matrix = [[0.0] * size for _ in range(size)]
+        vector = [0.0] * size
+        for x, y, w in zip(rows, targets, weights, strict=True):
+            for a, j in enumerate(free):
+                wx = w * x[j]
+                vector[a] += wx * y
+                row = matrix[a]
+                for b, k in enumerate(free):
+                    row[b] += wx * x[k]
+        solution = _gauss(matrix, vector)
+        if solution is None:
+            return None
+        negative = [j for j, value in zip(free, solution, strict=True) if value < 0]
+        if not negative:
+            beta = [0.0, 0.0, 0.0]
+            for j, value in zip(free, solution, strict=True):
+                beta[j] = value
+            return beta
+        free = [j for j in free if j not in negative]
+    return [0.0, 0.0, 0.0]
+
+
+def _gauss(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
+    size = len(vector)
+    for column in range(size):
+        pivot = max(range(column, size), key=lambda row: abs(matrix[row][column]))
+        if abs(matrix[pivot][column]) < 1e-300:
+            return None
+        matrix[column], matrix[pivot] = matrix[pivot], matrix[column]
+        vector[column], vector[pivot] = vector[pivot], vector[column]
+        for row in range(column + 1, size):
+            factor = matrix[row][column] / matrix[column][column]
+            for k in range(column, size):
+                matrix[row][k] -= factor * matrix[column][k]
+            vector[row] -= factor * vector[column]
+    solution = [0.0] * size
+    for row in range(size - 1, -1, -1):
+        rest = sum(matrix[row][k] * solution[k] for k in range(row + 1, size))
+        solution[row] = (vector[row] - rest) / matrix[row][row]
+    return solution
+
+
+__all__ = ["CalibrationConfig", "CostCalibrator", "Observation", "ReplicaCosts", "fit_costs"]
