@@ -165,7 +165,7 @@ def test_kv_aware_follows_prefixes_on_a_slice() -> None:
 def test_first_tokens_hidden_until_the_answer_ends_mislead_kv_aware() -> None:
     """`--whole-answers`: the router hears first tokens only at the end (non-streaming without assembly), so its
     load book counts every prompt as pending prefill through its decode; the engines' first tokens are unchanged
-    in the records and the tail gets worse (on the whole trace: p99 +41% at x2.5, docs/benchmarks.md)."""
+    in the records and the tail gets worse (on the whole trace: p99 +39% / +56% at x2.5 / x3.0, docs/benchmarks.md)."""
     trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=3.0, limit=1500)
     exact = replay_slice(trace, "kv_aware")
     hidden = replay_slice(trace, "kv_aware", whole_answers=True)
