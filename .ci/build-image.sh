@@ -93,7 +93,7 @@ base_image="localhost/kvrouter-base:$suite-$key"
 if [ ! -f "$base_tar" ]; then
     log "making the $suite base with mmdebstrap ($base_packages)"
     # Documentation, man pages and translations are dropped, as Debian's slim images do; copyright files stay.
-    mmdebstrap --variant=minbase --include="$base_packages" \
+    mmdebstrap --variant=minbase --format=tar --include="$base_packages" \
         --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
         --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
         --dpkgopt='path-exclude=/usr/share/info/*' \
