@@ -106,7 +106,7 @@ if [ ! -f "$base_tar" ]; then
 fi
 if ! "${podman_[@]}" image exists "$base_image"; then
     log "importing $base_tar as $base_image"
-    "${podman_[@]}" import "$base_tar" "$base_image" >/dev/null
+    "${podman_[@]}" import --quiet "$base_tar" "$base_image" >/dev/null
 fi
 
 # --- pip's settings on this machine, for the build --------------------------------------------------------
@@ -170,7 +170,8 @@ in_image() {  # in_image COMMAND...: run COMMAND in the image as its user
 }
 
 log "kvrouter --help (entry point ${entrypoint[*]}, user $user)"
-in_image "${entrypoint[@]}" --help | grep -q "usage: kvrouter" || fail "'kvrouter --help' does not answer in the image"
+help_text=$(in_image "${entrypoint[@]}" --help) || fail "'kvrouter --help' fails in the image"
+[[ "$help_text" == *"usage: kvrouter"* ]] || fail "'kvrouter --help' prints no usage in the image: $help_text"
 log "both C extensions import"
 in_image python -c 'import kvrouter._blockkeys, kvrouter._blocktable
 from kvrouter.blocktable import native_backend

@@ -5,8 +5,9 @@ environment over the `install` section over `global`) for the settings that deci
 index-url, extra-index-url, find-links, constraint, trusted-host and cert. Each becomes
 `--build-arg=PIP_NAME=value` (the Dockerfile's build stage declares those arguments), and every local path among
 the values (a folder of wheels, a constraint or CA file; for a file:// index, the folder above its simple/, where
-its files are) becomes `--volume=PATH:PATH:ro`, so the same values work unchanged inside the build. A configured path that does not exist is reported on stderr and not
-mounted (pip there warns about it as it does here). One option per line on stdout; none without configuration.
+its files are) becomes `--volume=PATH:PATH:ro`, so the same values work unchanged inside the build. A configured
+path that does not exist is reported on stderr and not mounted (pip there warns about it as it does here).
+One option per line on stdout; none without configuration.
 """
 
 from __future__ import annotations
