@@ -78,6 +78,9 @@ def build_tokenizer(target: str | Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=target.parent))
     try:
         wrapped.save_pretrained(str(staging))
+        # mkdtemp makes the folder private (0700), while the files inside are world-readable: open the folder
+        # too, because the image builds it as root for its non-root user.
+        staging.chmod(0o755)
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)

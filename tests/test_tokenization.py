@@ -223,3 +223,13 @@ def test_no_tokenizer_configured_means_none_and_a_bad_path_is_an_error(tmp_path:
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot load the tokenizer"):
         build_prompt_tokenizer(tmp_path, threads=1)
+
+
+def test_the_tiny_tokenizer_folder_is_readable_by_other_users(tmp_path: Path) -> None:
+    # The image builds it as root for its non-root user: a private (0700) folder made `kvrouter sim` fail there.
+    from kvrouter.tinymodel import build_tokenizer
+
+    target = build_tokenizer(tmp_path / "tiny")
+    assert target.stat().st_mode & 0o005 == 0o005
+    for path in target.iterdir():
+        assert path.stat().st_mode & 0o004, path
