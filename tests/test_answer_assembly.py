@@ -261,3 +261,14 @@ def test_the_streamed_body_adds_only_the_stream_fields() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "日本"}], "temperature": 0.1, "max_tokens": 5}
     forwarded = json.loads(streamed_body(parse_request("chat", compact(body))))
     assert forwarded == {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def test_lone_surrogates_are_escaped_not_a_crash() -> None:
+    body = {"model": "m", "prompt": "\ud800 lone surrogate"}
+    forwarded = streamed_body(parse_request("completion", json.dumps(body).encode()))
+    assert json.loads(forwarded)["prompt"] == "\ud800 lone surrogate" and b"\\ud800" in forwarded
+    layout = learn_layout("chat", compact(whole_chat("x")))
+    assert layout is not None
+    stream = chat_stream(["a"]).replace(b'"content":"a"', b'"content":"\\udc80"')
+    body_out, _ = assemble(layout, streamed(stream))
+    assert json.loads(body_out)["choices"][0]["message"]["content"] == "\udc80"

@@ -138,7 +138,15 @@ def streamed_body(parsed: ParsedRequest) -> bytes:
     body = dict(parsed.body)
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return _compact(body)
+
+
+def _compact(value: Any) -> bytes:
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        # A lone surrogate (`"\ud800"`, valid JSON, not encodable as UTF-8) survives only as an escape.
+        return json.dumps(value, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +158,11 @@ class JsonStyle:
 
     def dumps(self, value: Any) -> bytes:
         text = json.dumps(value, ensure_ascii=self.ensure_ascii, allow_nan=False, separators=self.separators)
-        return text.encode()
+        try:
+            return text.encode()
+        except UnicodeEncodeError:
+            # A lone surrogate in generated text: the one form that encodes (the replica could not send it raw).
+            return json.dumps(value, ensure_ascii=True, allow_nan=False, separators=self.separators).encode()
 
 
 # vLLM (Starlette's JSONResponse) first; then Python's defaults (aiohttp's json_response) and the other two mixes.

@@ -83,6 +83,9 @@ def test_predicted_cached_tokens_equal_the_engines_for_a_scripted_sequence(probe
         ("first 992 ids: a whole number of blocks", COMPLETIONS, completion(ids[:992]), None),
         ("first 40 ids: one block and a bit", COMPLETIONS, completion(ids[:40]), None),
         ("ids straight to vllm-a", COMPLETIONS, completion(ids), "vllm-a"),
+        # Served from vllm-a's cache whichever replica the router chose above (a calibrated kv_aware may send
+        # every new prefix to the replica it measured faster).
+        ("ids straight to vllm-a again", COMPLETIONS, completion(ids), "vllm-a"),
         ("ids straight to vllm-b", COMPLETIONS, completion(ids), "vllm-b"),
         ("first 992 ids straight to vllm-b", COMPLETIONS, completion(ids[:992]), "vllm-b"),
         ("chat turn 2 straight to vllm-a", CHAT,
