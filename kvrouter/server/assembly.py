@@ -460,13 +460,6 @@ class AnswerLayouts:
         for key in [key for key in self._known if key[0] == replica]:
             del self._known[key]
 
-    def layouts(self) -> dict[str, dict[str, str]]:
-        """For /health-style views: per replica, per endpoint, 'assemble' or 'whole'."""
-        view: dict[str, dict[str, str]] = {}
-        for (replica, endpoint), known in sorted(self._known.items()):
-            view.setdefault(replica, {})[endpoint] = "assemble" if known.layout is not None else "whole"
-        return view
-
 
 __all__ = [
     "AnswerFetch",
