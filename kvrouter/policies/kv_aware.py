@@ -72,7 +72,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrouter.policies.base import Candidate, CandidateScore, Decision, RouteRequest
+from kvrouter.policies.base import Candidate, CandidateScore, Decision, ReplicaLoad, RouteRequest
 from kvrouter.routing.calibration import CostCalibrator, Observation, ReplicaCosts
 from kvrouter.routing.tuning import WeightTuner
 from kvrouter.typedefs import ReplicaName
@@ -206,12 +206,7 @@ class KvAwarePolicy:
         uncached = prompt - credit
         decode_pass_s = costs.decode_s_per_request * load.decode_requests
         token_s = 1.0 / rate + decode_pass_s / config.batch_tokens
-        lane = self._lanes.get(candidate.replica)
-        done = 0.0
-        # The lane follows this router's own requests: other instances' pending prefill (shared load) is queue.
-        own_pending = load.pending_prefill_tokens - load.peer_pending_prefill_tokens
-        if lane is not None and own_pending > 0:
-            done = min(lane.in_progress(own_pending, now, 1.0 / token_s), float(own_pending))
+        done = self._in_progress(candidate.replica, load, now, token_s)
         queue = load.pending_prefill_tokens - done
         if config.waiting_request_tokens and load.engine_waiting is not None:
             prefilling_here = load.in_flight - load.decode_requests
@@ -251,6 +246,24 @@ class KvAwarePolicy:
             "calibration_samples": float(costs.samples),
         }
         return CandidateScore(candidate.replica, candidate.cached_tokens, score, breakdown)
+
+    def _in_progress(self, replica: ReplicaName, load: ReplicaLoad, now: float, token_s: float) -> float:
+        """Pending prefill tokens of the request in progress already computed (an estimate from the lane)."""
+        lane = self._lanes.get(replica)
+        # The lane follows this router's own requests: other instances' pending prefill (shared load) is queue.
+        own_pending = load.pending_prefill_tokens - load.peer_pending_prefill_tokens
+        if lane is None or own_pending <= 0:
+            return 0.0
+        return min(lane.in_progress(own_pending, now, 1.0 / token_s), float(own_pending))
+
+    def queued_prefill_tokens(self, replica: ReplicaName, load: ReplicaLoad, weight: float = 1.0) -> float:
+        """Prefill tokens still to compute on `replica` now: its pending prefill less the estimated progress of
+        the request in progress (what the router queue's saturation rule reads)."""
+        costs = self.costs(replica, weight)
+        token_s = 1.0 / costs.prefill_tokens_per_s + costs.decode_s_per_request * load.decode_requests / (
+            self.config.batch_tokens
+        )
+        return load.pending_prefill_tokens - self._in_progress(replica, load, self.clock(), token_s)
 
     def select(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         assert candidates, "select needs at least one candidate"

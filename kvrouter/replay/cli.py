@@ -26,7 +26,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvrouter.config import POLICY_NAMES, ConfigError, Settings
+from kvrouter.flow.settings import FlowConfig
 from kvrouter.policies import build_policy
 from kvrouter.policies.base import Policy
 from kvrouter.replay.driver import (
@@ -41,6 +44,7 @@ from kvrouter.replay.hotspot import hot_spot
 from kvrouter.replay.prompts import PromptCatalog
 from kvrouter.replay.report import summarize, table, write_outputs
 from kvrouter.replay.routers import RouterSpread
+from kvrouter.replay.tenancy import Tenancy, assign
 from kvrouter.replay.trace import TraceError, load_trace, unshared
 from kvrouter.sim.model import EngineModel
 from kvrouter.sim.profiles import build_engine, get_profile
@@ -91,6 +95,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="0",
         help="Comma-separated delays before one router's load reaches the others (`off`: not shared); one row each.",
     )
+    parser.add_argument(
+        "--flow",
+        default="off",
+        help="The router queue (docs/flow-control.md): off, on, or off,on for one row each (`<policy>+queue`).",
+    )
+    parser.add_argument(
+        "--flow-set",
+        dest="flow_overrides",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="Override a field of the flow section (hold_passes=2, starvation_s=5, ...); JSON values allowed.",
+    )
+    parser.add_argument("--tenants", type=int, default=0, help="Regular tenants, conversations spread over them.")
+    parser.add_argument("--noisy-share", type=float, default=0.0, help="A tenant `noisy` sends this share of arrivals.")
+    parser.add_argument(
+        "--priority-share", type=float, default=0.0, help="Share of requests in the most urgent band (high)."
+    )
     parser.add_argument("--json", action="store_true", help="Print report.json's rows instead of the table.")
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="Policies replayed at once (forked processes)."
@@ -119,6 +141,30 @@ def _settings(overrides: list[str]) -> Settings:
     return Settings.model_validate(values)
 
 
+def flow_settings(choice: str, overrides: list[str]) -> list[FlowConfig | None]:
+    """`off,on` -> [None, FlowConfig(...)], the overrides applied to every `on`."""
+    values: dict[str, Any] = {}
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        if not sep or name not in FlowConfig.model_fields:
+            raise ConfigError(f"--flow-set: expected NAME=VALUE with a field of the flow section, got {item!r}")
+        try:
+            values[name] = json.loads(value)
+        except json.JSONDecodeError:
+            values[name] = value
+    try:
+        config = FlowConfig.model_validate(values)
+    except ValidationError as error:
+        raise ConfigError(f"--flow-set: {error.errors()[0]['msg']}") from None
+    settings: list[FlowConfig | None] = []
+    for item in choice.split(","):
+        item = item.strip().lower()
+        if item not in ("off", "on"):
+            raise ConfigError(f"--flow: expected off, on or off,on, got {choice!r}")
+        settings.append(config if item == "on" else None)
+    return settings
+
+
 def replay_policy_object(name: str, settings: Settings, clock: VirtualClock) -> Policy:
     """The policy as `build_policy` makes it, on the replay's clock."""
     return build_policy(name, settings, clock=clock)
@@ -144,12 +190,13 @@ def share_delays(text: str) -> list[float | None]:
     return delays
 
 
-def row_label(policy: str, spread: RouterSpread) -> str:
+def row_label(policy: str, spread: RouterSpread, flow: FlowConfig | None = None) -> str:
+    queue = "" if flow is None else "+queue"
     if spread.routers == 1:
-        return policy
+        return policy + queue
     delay = spread.share_delay_s
     sharing = "unshared" if delay is None else f"share{delay * 1000:g}ms"
-    return f"{policy}@k{spread.routers}-{spread.spread}-{sharing}"
+    return f"{policy}{queue}@k{spread.routers}-{spread.spread}-{sharing}"
 
 
 Job = Callable[[], tuple[ReplayResult, float]]
@@ -200,6 +247,10 @@ def run(args: argparse.Namespace) -> int:
         trace = hot_spot(trace, share=args.hot_share, start=args.hot_start, prefix_blocks=args.hot_prefix_blocks)
         if args.unshared:
             trace = unshared(trace)
+        flows = flow_settings(args.flow, args.flow_overrides)
+        tenancy = Tenancy(args.tenants, args.noisy_share, args.priority_share, seed=args.seed)
+        assigned = assign(trace, tenancy)
+        trace = assigned.trace
     except (ConfigError, ValueError, TraceError, OSError) as error:
         print(f"kvrouter replay: {error}", file=sys.stderr)
         return 2
@@ -231,10 +282,13 @@ def run(args: argparse.Namespace) -> int:
         drain_at_s=args.drain_at,
         drain_warm=args.drain_warm,
         whole_answers=args.whole_answers,
+        batch_tokens=settings.kv_batch_tokens,
+        tenants=assigned.tenant if tenancy.active else None,
+        urgent=assigned.urgent,
     )
     floors = None if args.no_floor else floor_ttfts(trace.requests, prompts, engine_factory)
 
-    def job_for(name: str, spread: RouterSpread) -> Job:
+    def job_for(name: str, spread: RouterSpread, flow: FlowConfig | None) -> Job:
         def job() -> tuple[ReplayResult, float]:
             began = time.process_time()
             clock = VirtualClock()
@@ -244,17 +298,17 @@ def run(args: argparse.Namespace) -> int:
                 catalog=catalog,
                 policy=replay_policy_object(name, settings, clock),
                 engine_factory=engines,
-                options=dataclasses.replace(options, routers=spread),
+                options=dataclasses.replace(options, routers=spread, flow=flow),
                 clock=clock,
                 policy_factory=lambda: replay_policy_object(name, settings, clock),
             )
-            result.policy = row_label(name, spread)
+            result.policy = row_label(name, spread, flow)
             return result, time.process_time() - began
 
         return job
 
-    rows = [(name, spread) for name in policies for spread in spreads]
-    outcomes = run_jobs([job_for(name, spread) for name, spread in rows], args.jobs)
+    rows = [(name, spread, flow) for name in policies for spread in spreads for flow in flows]
+    outcomes = run_jobs([job_for(name, spread, flow) for name, spread, flow in rows], args.jobs)
     results = [result for result, _ in outcomes]
     timings = {result.policy: seconds for result, seconds in outcomes}
     summaries = [summarize(result, floors) for result in results]
@@ -271,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
         "overrides": args.overrides,
         "lost_removals": args.lost_removals,
         "routers": {"count": args.routers, "spread": args.spread, "share_delay_ms": args.share_delay_ms},
+        "flow": {"rows": args.flow, "overrides": args.flow_overrides},
+        "tenancy": dataclasses.asdict(tenancy),
         "replicate": args.replicate,
         "drain": {"at_s": args.drain_at, "warm": args.drain_warm},
         "hot_spot": {"share": args.hot_share, "start": args.hot_start, "prefix_blocks": args.hot_prefix_blocks},

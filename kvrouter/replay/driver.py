@@ -25,10 +25,14 @@ event path: its index keeps blocks the engine no longer has)."""
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+from kvrouter.flow.classes import FlowClass, FlowClassifier
+from kvrouter.flow.queue import FlowQueue
+from kvrouter.flow.saturation import SaturationRule
+from kvrouter.flow.settings import FlowConfig
 from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import IndexWriter
 from kvrouter.policies.base import Policy
@@ -48,7 +52,7 @@ from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
 EngineFactory = Callable[[], EngineModel]
 """Builds one simulated engine; `Replay` takes one for every engine alike, or one per engine (a mixed fleet)."""
 
-_PASS_END, _KV_EVENTS, _LOAD_SHARE, _SCRAPE, _DRAIN, _ARRIVAL, _PASS_START = range(7)
+_PASS_END, _KV_EVENTS, _LOAD_SHARE, _SCRAPE, _DRAIN, _EXPIRE, _ARRIVAL, _PASS_START = range(8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,16 @@ class ReplayOptions:
     `assemble_non_streaming` off); the records keep the engine's real first-token time."""
     routers: RouterSpread = field(default_factory=RouterSpread)
     """K router instances and how they share load (`kvrouter.replay.routers`); the default is one router."""
+    flow: FlowConfig | None = None
+    """The router queue (`kvrouter.flow`): None or disabled sends every request at once, as without it."""
+    batch_tokens: int = 8192
+    """Prompt tokens an engine pass computes (`kv_batch_tokens`): the unit of the queue's saturation rule."""
+    tenants: Mapping[int, str] | None = None
+    """Tenant per trace index (`kvrouter.replay.tenancy`); None: every request is `anonymous`."""
+    urgent: frozenset[int] = frozenset()
+    """Trace indices in the most urgent band; the others are in the default band."""
+    fairness_window_s: float = 5.0
+    """Window of the service-share fairness measure (`ReplayResult.fairness`)."""
 
 
 @dataclass(slots=True)
@@ -88,6 +102,12 @@ class RequestRecord:
     first_token: float | None = None
     finish: float | None = None
     preemptions: int = 0
+    tenant: str = "anonymous"
+    band: str = ""
+    queued_s: float = 0.0
+    """Time waited in the router queue (part of the TTFT)."""
+    rejected: str | None = None
+    """Why the router turned it away (`queue_full`, `ttl`), never sent to an engine."""
 
     @property
     def ttft(self) -> float | None:
@@ -106,6 +126,8 @@ class ReplayResult:
     passes: int = 0
     end_time: float = 0.0
     warmups: int = 0
+    fairness: list[float] = field(default_factory=list)
+    """Jain's index of weighted service among the tenants backlogged through each fairness window (2 or more)."""
 
 
 @dataclass(slots=True)
@@ -196,6 +218,29 @@ class Replay:
         self._records: dict[str, RequestRecord] = {}
         self._unfinished = 0
         self._result = ReplayResult(policy.name, [], [str(engine.name) for engine in self.engines])
+        flow = self.options.flow
+        self.queue: FlowQueue[int] | None = None
+        if flow is not None and flow.enabled:
+            if spread.routers > 1:
+                raise ValueError("the router queue replays with one router (--routers 1)")
+            self.queue = FlowQueue(flow)
+            self.saturation = SaturationRule(
+                int(flow.hold_passes * self.options.batch_tokens), flow.engine_waiting, flow.kv_usage
+            )
+        classifier = FlowClassifier(flow or FlowConfig())
+        self._band_names = [band.name for band in classifier.config.bands]
+        urgent, default = 0, classifier.default_band
+        tenants = self.options.tenants or {}
+        self._flows = {
+            request.index: classifier.of(
+                urgent if request.index in self.options.urgent else default,
+                tenants.get(request.index, "anonymous"),
+            )
+            for request in requests
+        }
+        self._window_start = 0.0
+        self._window_backlogged: set[str] = set()
+        self._window_service: dict[str, float] = {}
 
     @property
     def now(self) -> float:
@@ -265,6 +310,8 @@ class Replay:
                 self._scrape()
             elif kind == _DRAIN:
                 self._drain()
+            elif kind == _EXPIRE:
+                self._expire()
         result = self._result
         result.records = [self._records[str(request.index)] for request in self.requests]
         result.passes = sum(engine.passes for engine in self.engines)
@@ -275,6 +322,79 @@ class Replay:
     # -- handlers --------------------------------------------------------------------------------------------
 
     def _arrival(self, position: int) -> None:
+        request = self.requests[position]
+        flow = self._flows[request.index]
+        request_id = str(request.index)
+        record = RequestRecord(
+            index=request.index,
+            replica="",
+            arrival=self.now,
+            prompt_tokens=request.input_length,
+            output_tokens=request.output_length,
+            predicted_cached=0,
+            tenant=flow.tenant,
+            band=self._band_names[flow.band],
+        )
+        self._records[request_id] = record
+        queue = self.queue
+        if queue is not None and (len(queue) > 0 or self._saturated()):
+            waiter = queue.push(position, flow, self.now)
+            if waiter is None:
+                record.rejected = "queue_full"
+                self._unfinished -= 1
+            else:
+                self._push(waiter.deadline, _EXPIRE, None)
+            return
+        self._route(position)
+
+    def _saturated(self) -> bool:
+        load = self.load
+        estimate = getattr(self.policy, "queued_prefill_tokens", None)
+        loads = ((load.snapshot(route.name), route) for route in self.routes)
+        return self.saturation.saturated(
+            (snapshot, None if estimate is None else estimate(route.name, snapshot, route.weight))
+            for snapshot, route in loads
+        )
+
+    def _pump(self) -> None:
+        """Capacity may have freed: dispatch queued requests while some replica can take more work."""
+        queue = self.queue
+        if queue is None or len(queue) == 0:
+            return
+        self._fairness_tick(queue)
+        while len(queue) > 0 and not self._saturated():
+            waiter = queue.pop(self.now)
+            if waiter is None:
+                break
+            self._records[str(self.requests[waiter.payload].index)].queued_s = waiter.waited(self.now)
+            self._route(waiter.payload)
+
+    def _expire(self) -> None:
+        if self.queue is None:
+            return
+        for waiter in self.queue.expire(self.now):
+            self._records[str(self.requests[waiter.payload].index)].rejected = "ttl"
+            self._unfinished -= 1
+
+    def _fairness_tick(self, queue: FlowQueue[int]) -> None:
+        """Close the fairness window when it is over: Jain's index of weighted service among the tenants that
+        were backlogged at its start and still are."""
+        now = self.now
+        if now - self._window_start < self.options.fairness_window_s:
+            return
+        backlogged = {waiter.flow.tenant for waiter in queue.waiting()}
+        steady = self._window_backlogged & backlogged
+        if len(steady) >= 2:
+            shares = [self._window_service.get(tenant, 0.0) for tenant in steady]
+            total = sum(shares)
+            squares = sum(share * share for share in shares)
+            if squares > 0:
+                self._result.fairness.append(total * total / (len(shares) * squares))
+        self._window_start = now
+        self._window_backlogged = backlogged
+        self._window_service = {}
+
+    def _route(self, position: int) -> None:
         request = self.requests[position]
         prepared = self.prompts[position]
         block_size = self.catalog.block_size
@@ -302,14 +422,15 @@ class Replay:
             warm = self.replicator.consider(decision, prepared.keys, block_size, self.now)
             if warm is not None:
                 self._warm(warm.replica, position, warm.blocks)
-        self._records[request_id] = RequestRecord(
-            index=request.index,
-            replica=str(engine.name),
-            arrival=self.now,
-            prompt_tokens=request.input_length,
-            output_tokens=request.output_length,
-            predicted_cached=routed.predicted_cached,
-        )
+        record = self._records[request_id]
+        record.replica = str(engine.name)
+        record.predicted_cached = routed.predicted_cached
+        if self.queue is not None:
+            flow = self._flows[request.index]
+            computed = request.input_length - routed.predicted_cached
+            self.queue.charge(flow, computed)
+            served = (computed + request.output_length) / flow.weight
+            self._window_service[flow.tenant] = self._window_service.get(flow.tenant, 0.0) + served
         engine.model.add(
             EngineRequest(
                 request_id=request_id,
@@ -372,13 +493,17 @@ class Replay:
             routed.served(self._reported.pop(request_id, None), now)
             routed.finish(now)
             self._share(self._instance_of.pop(request_id), routed.replica)
-            records[request_id].finish = now
+            record = records[request_id]
+            record.finish = now
             self._unfinished -= 1
+            if self.queue is not None:
+                self.queue.charge(self._flows[record.index], record.output_tokens)
         if result.events:
             if self.options.event_delay_s > 0:
                 self._push(now + self.options.event_delay_s, _KV_EVENTS, (engine, result.events))
             else:
                 self._apply_events(engine.name, result.events)
+        self._pump()
         self._queue_start(engine)
 
     def _warm(self, replica: ReplicaName, position: int, blocks: int) -> None:
@@ -479,6 +604,7 @@ class Replay:
             sample = EngineGauges(gauges.num_waiting, gauges.num_running, gauges.kv_usage)
             for instance in self.instances:
                 instance.load.observe_engine(engine.name, sample)
+        self._pump()
         if self._unfinished > 0:
             self._push(self.now + self.options.scrape_interval_s, _SCRAPE, None)
 

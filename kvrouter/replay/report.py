@@ -20,7 +20,7 @@ from typing import Any
 
 from kvrouter.loadgen.plots import save_figure
 from kvrouter.loadgen.report import percentile
-from kvrouter.replay.driver import ReplayResult
+from kvrouter.replay.driver import ReplayResult, RequestRecord
 
 CSV_FIELDS = (
     "trace_index",
@@ -34,6 +34,10 @@ CSV_FIELDS = (
     "e2e_ms",
     "floor_ttft_ms",
     "preemptions",
+    "tenant",
+    "band",
+    "queued_ms",
+    "rejected",
 )
 
 
@@ -50,6 +54,8 @@ def summarize(result: ReplayResult, floors: Sequence[float] | None = None) -> di
     cached_by: dict[str, int] = dict.fromkeys(result.replicas, 0)
     prompt_by: dict[str, int] = dict.fromkeys(result.replicas, 0)
     for record in records:
+        if record.replica not in counts:
+            continue  # turned away by the router queue: never reached an engine
         counts[record.replica] += 1
         cached_by[record.replica] += record.cached_tokens
         prompt_by[record.replica] += record.prompt_tokens
@@ -83,7 +89,43 @@ def summarize(result: ReplayResult, floors: Sequence[float] | None = None) -> di
     if floors is not None:
         summary["floor_ttft_p50"] = percentile(floors, 50)
         summary["floor_ttft_p99"] = percentile(floors, 99)
+    if any(r.queued_s > 0 or r.rejected is not None for r in records) or len({r.tenant for r in records}) > 1:
+        summary["flow"] = flow_summary(result)
     return summary
+
+
+def _group(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    done = [r for r in records if r.first_token is not None]
+    ttft = [r.first_token - r.arrival for r in done if r.first_token is not None]
+    return {
+        "requests": len(records),
+        "completed": len(done),
+        "rejected": sum(r.rejected is not None for r in records),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "queued_p99": percentile([r.queued_s for r in records if r.rejected is None], 99),
+        "longest_wait": max((r.queued_s for r in records), default=0.0),
+    }
+
+
+def flow_summary(result: ReplayResult) -> dict[str, Any]:
+    """The router queue's part: waits and rejections overall, per band and per tenant, and its fairness."""
+    records = result.records
+    bands = sorted({r.band for r in records})
+    tenants = sorted({r.tenant for r in records})
+    fairness = result.fairness
+    return {
+        "queued": sum(r.queued_s > 0 for r in records),
+        "rejected": {
+            reason: sum(r.rejected == reason for r in records) for reason in ("queue_full", "ttl")
+        },
+        "queued_p99": percentile([r.queued_s for r in records if r.rejected is None], 99),
+        "bands": {band: _group([r for r in records if r.band == band]) for band in bands},
+        "tenants": {tenant: _group([r for r in records if r.tenant == tenant]) for tenant in tenants},
+        "jain_windows": len(fairness),
+        "jain_mean": sum(fairness) / len(fairness) if fairness else None,
+        "jain_p10": percentile(fairness, 10) if fairness else None,
+    }
 
 
 def _ms(value: float | None) -> str:
@@ -110,6 +152,23 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
             f"| {_ms(s['e2e_p50'])} / {_ms(s['e2e_p99'])} | {'-' if rps is None else f'{rps:.2f}'} "
             f"| {'-' if tps is None else f'{tps:,.0f}'} | {_pct(s['hit_rate'])} | {_pct(s['predicted_hit_rate'])} "
             f"| {shares} | {s['preemptions']} |"
+        )
+    if any(s.get("flow") is not None for s in summaries):
+        lines.append("")
+    for s in summaries:
+        flow = s.get("flow")
+        if flow is None:
+            continue
+        rejected = flow["rejected"]
+        bands = "; ".join(
+            f"{name} p99 {_ms(group['ttft_p99'])} ms ({group['rejected']} rejected)"
+            for name, group in flow["bands"].items()
+        )
+        jain = flow["jain_mean"]
+        lines.append(
+            f"{s['policy']}: queued {flow['queued']}, wait p99 {_ms(flow['queued_p99'])} ms, rejected "
+            f"{rejected['queue_full']} full / {rejected['ttl']} ttl; {bands}"
+            + ("" if jain is None else f"; Jain {jain:.3f} over {flow['jain_windows']} windows")
         )
     floor = next((s for s in summaries if s.get("floor_ttft_p99") is not None), None)
     if floor is not None:
@@ -141,6 +200,10 @@ def write_csv(path: Path, result: ReplayResult, floors: Sequence[float] | None =
                     "" if e2e is None else f"{e2e * 1000:.3f}",
                     "" if floors is None else f"{floors[position] * 1000:.3f}",
                     r.preemptions,
+                    r.tenant,
+                    r.band,
+                    f"{r.queued_s * 1000:.3f}",
+                    r.rejected or "",
                 ]
             )
 

@@ -1,0 +1,223 @@
+"""The router's queue: priority bands, weighted fair sharing of served tokens per tenant, TTLs and lengths.
+
+Pure and synchronous; `now` is the caller's clock (monotonic live, virtual in replay), the payload is whatever the
+caller needs to dispatch a waiter (a future live, a trace position in replay).
+
+Order. Bands are strict — a request of a more urgent band goes first — with one guard against starvation: a
+waiter queued `starvation_s` or longer is served before any band's fair pick (the oldest such first), so a busy
+high band delays the low band by at most that much beyond its own backlog. Inside a band, tenants share in the
+spirit of VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24): each tenant has a virtual
+counter of the service it received — prompt tokens computed and tokens generated (`charge`), divided by its
+weight — and the backlogged tenant with the lowest counter is served next, first come first served within the
+tenant. A tenant that becomes backlogged is lifted to the lowest counter among the band's backlogged tenants, so
+idle time banks no credit; when a band's queue empties the counters start over (fairness is among the tenants
+that are waiting together). Tenants tracked per band are capped (`max_tenants`); beyond it new ones share one.
+
+Limits. A band holds at most `max_queue` waiters (`push` returns None past it: the caller answers 429), and a
+waiter is held at most its band's `ttl_s` (`expire` hands back the ones past it: 429 with Retry-After). `cancel`
+takes out a waiter whose client left; it costs nothing but a mark (waiters are dropped lazily).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+from kvrouter.flow.classes import FlowClass
+from kvrouter.flow.settings import FlowConfig
+
+T = TypeVar("T")
+WaiterState = Literal["queued", "dispatched", "expired", "cancelled"]
+OVERFLOW_TENANT = "~overflow"
+
+
+@dataclass(slots=True, eq=False)
+class Waiter(Generic[T]):
+    payload: T
+    flow: FlowClass
+    fair_id: str
+    """The tenant id fairness uses (the flow's tenant, or the shared overflow id past `max_tenants`)."""
+    enqueued: float
+    deadline: float
+    state: WaiterState = "queued"
+    dispatched_at: float | None = None
+
+    def waited(self, now: float) -> float:
+        end = self.dispatched_at if self.dispatched_at is not None else now
+        return max(0.0, end - self.enqueued)
+
+
+@dataclass(slots=True)
+class _Band(Generic[T]):
+    name: str
+    ttl_s: float
+    max_queue: int
+    order: deque[Waiter[T]] = field(default_factory=deque)
+    """Every waiter in arrival order (= deadline order), dispatched or cancelled ones dropped lazily."""
+    tenants: dict[str, deque[Waiter[T]]] = field(default_factory=dict)
+    virtual: dict[str, float] = field(default_factory=dict)
+    queued: int = 0
+
+    def head(self) -> Waiter[T] | None:
+        order = self.order
+        while order and order[0].state != "queued":
+            order.popleft()
+        return order[0] if order else None
+
+    def tenant_head(self, tenant: str) -> Waiter[T] | None:
+        waiting = self.tenants.get(tenant)
+        while waiting and waiting[0].state != "queued":
+            waiting.popleft()
+        if not waiting:
+            self.tenants.pop(tenant, None)
+            return None
+        return waiting[0]
+
+
+class FlowQueue(Generic[T]):
+    def __init__(self, config: FlowConfig) -> None:
+        self.config = config
+        self.bands: list[_Band[T]] = [_Band(band.name, band.ttl_s, band.max_queue) for band in config.bands]
+        self.starvation_s = config.starvation_s
+
+    def __len__(self) -> int:
+        return sum(band.queued for band in self.bands)
+
+    def lengths(self) -> dict[str, int]:
+        return {band.name: band.queued for band in self.bands}
+
+    def push(self, payload: T, flow: FlowClass, now: float) -> Waiter[T] | None:
+        """Queue `payload`; None when its band is full."""
+        band = self.bands[flow.band]
+        if band.queued >= band.max_queue:
+            return None
+        fair_id = flow.tenant
+        if fair_id not in band.virtual and len(band.virtual) >= self.config.max_tenants:
+            fair_id = OVERFLOW_TENANT
+        waiter = Waiter(payload, flow, fair_id, now, now + band.ttl_s)
+        if band.tenant_head(fair_id) is None:
+            # Newly backlogged: lifted to the band's lowest backlogged counter (idle time banks no credit).
+            floor = min((band.virtual.get(t, 0.0) for t in band.tenants), default=None)
+            current = band.virtual.get(fair_id, 0.0)
+            band.virtual[fair_id] = current if floor is None else max(current, floor)
+            band.tenants[fair_id] = deque()
+        band.tenants[fair_id].append(waiter)
+        band.order.append(waiter)
+        band.queued += 1
+        return waiter
+
+    def pop(self, now: float) -> Waiter[T] | None:
+        """The next waiter to dispatch, marked dispatched; None when nothing waits."""
+        starving: Waiter[T] | None = None
+        for band in self.bands:
+            head = band.head()
+            if head is not None and now - head.enqueued >= self.starvation_s:
+                if starving is None or head.enqueued < starving.enqueued:
+                    starving = head
+        if starving is not None:
+            return self._take(self.bands[starving.flow.band], starving, now)
+        for band in self.bands:
+            if band.queued == 0:
+                continue
+            best: Waiter[T] | None = None
+            best_virtual = 0.0
+            for tenant in list(band.tenants):
+                head = band.tenant_head(tenant)
+                if head is None:
+                    continue
+                virtual = band.virtual.get(tenant, 0.0)
+                if best is None or virtual < best_virtual or (virtual == best_virtual and head.enqueued < best.enqueued):
+                    best, best_virtual = head, virtual
+            if best is not None:
+                return self._take(band, best, now)
+        return None
+
+    def _take(self, band: _Band[T], waiter: Waiter[T], now: float) -> Waiter[T]:
+        waiter.state = "dispatched"
+        waiter.dispatched_at = now
+        self._left(band, waiter)
+        return waiter
+
+    def _left(self, band: _Band[T], waiter: Waiter[T]) -> None:
+        band.queued -= 1
+        band.tenant_head(waiter.fair_id)  # drops it from its tenant's deque when it was the head
+        if band.queued == 0:
+            band.order.clear()
+            band.tenants.clear()
+            band.virtual.clear()
+
+    def cancel(self, waiter: Waiter[T]) -> bool:
+        """Take out a queued waiter (its client left); False when it was no longer queued."""
+        if waiter.state != "queued":
+            return False
+        waiter.state = "cancelled"
+        self._left(self.bands[waiter.flow.band], waiter)
+        return True
+
+    def expire(self, now: float) -> list[Waiter[T]]:
+        """Waiters past their band's TTL, taken out."""
+        gone: list[Waiter[T]] = []
+        for band in self.bands:
+            head = band.head()
+            while head is not None and head.deadline <= now:
+                head.state = "expired"
+                self._left(band, head)
+                gone.append(head)
+                head = band.head()
+        return gone
+
+    def drain(self) -> list[Waiter[T]]:
+        """Every queued waiter, taken out (the fleet can no longer serve them)."""
+        gone = [waiter for band in self.bands for waiter in band.order if waiter.state == "queued"]
+        for waiter in gone:
+            waiter.state = "expired"
+            self._left(self.bands[waiter.flow.band], waiter)
+        return gone
+
+    def next_deadline(self) -> float | None:
+        deadlines = [head.deadline for head in map(_Band.head, self.bands) if head is not None]
+        return min(deadlines, default=None)
+
+    def charge(self, flow: FlowClass, tokens: float) -> None:
+        """`flow`'s tenant was served `tokens` (prompt tokens computed at dispatch, tokens generated at the end)."""
+        if tokens <= 0:
+            return
+        band = self.bands[flow.band]
+        fair_id = flow.tenant if flow.tenant in band.virtual else None
+        if fair_id is None:
+            if band.queued == 0:
+                return  # nothing waits in this band: no counter to keep
+            fair_id = flow.tenant if len(band.virtual) < self.config.max_tenants else OVERFLOW_TENANT
+        band.virtual[fair_id] = band.virtual.get(fair_id, 0.0) + tokens / flow.weight
+
+    def waiting(self) -> Iterator[Waiter[T]]:
+        for band in self.bands:
+            for waiter in band.order:
+                if waiter.state == "queued":
+                    yield waiter
+
+    def position(self, waiter: Waiter[T], now: float) -> dict[str, Any]:
+        """Where a queued waiter stands, for /debug."""
+        band = self.bands[waiter.flow.band]
+        ahead_in_tenant = 0
+        for other in band.tenants.get(waiter.fair_id, ()):
+            if other is waiter:
+                break
+            if other.state == "queued":
+                ahead_in_tenant += 1
+        return {
+            "band": band.name,
+            "tenant": waiter.flow.label,
+            "state": waiter.state,
+            "waited_s": round(waiter.waited(now), 4),
+            "expires_in_s": round(max(0.0, waiter.deadline - now), 4),
+            "ahead_in_tenant": ahead_in_tenant,
+            "queued_in_band": band.queued,
+            "queued_in_more_urgent_bands": sum(b.queued for b in self.bands[: waiter.flow.band]),
+            "tenant_service": round(band.virtual.get(waiter.fair_id, 0.0), 1),
+        }
+
+
+__all__ = ["OVERFLOW_TENANT", "FlowQueue", "Waiter"]

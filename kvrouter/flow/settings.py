@@ -1,0 +1,114 @@
+"""The `flow:` section of replicas.yaml: when requests wait in the router, in which bands, and how tenants share.
+
+    flow:
+      enabled: true                 # KVROUTER_FLOW_CONTROL overrides it
+      hold_passes: 1.0              # a replica is saturated with this many engine passes of prefill queued
+      engine_waiting: null          # ... or with this many requests waiting in the engine (scraped; off)
+      kv_usage: null                # ... or with its KV cache this full (scraped, 0..1; off)
+      default_band: normal
+      bands:                        # most urgent first; strict order, with an anti-starvation guard
+        - {name: high, ttl_s: 30, max_queue: 1024}
+        - {name: normal, ttl_s: 60, max_queue: 4096}
+        - {name: low, ttl_s: 120, max_queue: 4096}
+      starvation_s: 10              # a request waiting this long is served ahead of more urgent bands
+      tenant_from: [header, api_key, user]
+      tenants:                      # weights for fair sharing (others weigh 1)
+        team-a: {weight: 2, api_keys: ["sk-..."]}
+
+Why a pass: the engine computes at most `kv_batch_tokens` prompt tokens per pass and the router hears of the
+pass's end (first tokens) when it happens, so one pass of queued prefill keeps an engine busy until the router can
+send more; anything beyond it only waits in an engine queue where nobody can reorder it or move it elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TenantSource = Literal["header", "api_key", "user"]
+DEFAULT_TENANT_FROM: tuple[TenantSource, ...] = ("header", "api_key", "user")
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$"
+"""Band and tenant names: what a header may carry and a metric label may show."""
+
+
+class BandConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME_PATTERN, description="Band name (the x-kvrouter-priority header's value).")
+    ttl_s: float = Field(default=60.0, gt=0, le=3600, description="Longest wait in the router queue; then 429.")
+    max_queue: int = Field(default=4096, ge=0, le=1_000_000, description="Requests the band may hold; then 429.")
+
+
+class TenantConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weight: float = Field(default=1.0, gt=0, le=1000, description="Share of service relative to other tenants.")
+    api_keys: list[str] = Field(default_factory=list, description="Client API keys that identify this tenant.")
+
+
+def _default_bands() -> list[BandConfig]:
+    return [
+        BandConfig(name="high", ttl_s=30.0, max_queue=1024),
+        BandConfig(name="normal", ttl_s=60.0, max_queue=4096),
+        BandConfig(name="low", ttl_s=120.0, max_queue=4096),
+    ]
+
+
+class FlowConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=True, description="Hold requests in the router when every replica is saturated.")
+    hold_passes: float = Field(
+        default=1.0, gt=0, le=64, description="Engine passes of queued prefill (x kv_batch_tokens) that saturate."
+    )
+    engine_waiting: int | None = Field(
+        default=None, ge=1, description="Engine-reported waiting requests that saturate a replica (null: not used)."
+    )
+    kv_usage: float | None = Field(
+        default=None, gt=0, le=1, description="Engine-reported KV usage that saturates a replica (null: not used)."
+    )
+    bands: list[BandConfig] = Field(default_factory=_default_bands, min_length=1, max_length=16)
+    default_band: str = Field(default="normal", description="Band of a request that names none (or an unknown one).")
+    starvation_s: float = Field(
+        default=10.0, gt=0, description="A request queued this long goes ahead of more urgent bands (no starvation)."
+    )
+    tenant_from: list[TenantSource] = Field(
+        default_factory=lambda: list(DEFAULT_TENANT_FROM),
+        description="Where a request's tenant comes from, first match wins: x-kvrouter-tenant, API key, 'user'.",
+    )
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="Weights and API keys per tenant.")
+    max_tenants: int = Field(
+        default=10_000, ge=1, description="Distinct tenants tracked for fairness; beyond it new ones share one."
+    )
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, tenants: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+        for name in tenants:
+            if re.fullmatch(NAME_PATTERN, name) is None:
+                raise ValueError(f"tenant name {name!r}: use letters, digits and _.:- (at most 64)")
+        return tenants
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FlowConfig:
+        names = [band.name for band in self.bands]
+        if len(set(names)) != len(names):
+            raise ValueError(f"band names must be unique, got {names}")
+        if self.default_band not in names:
+            raise ValueError(f"default_band {self.default_band!r} is not one of the bands {names}")
+        keys = [key for tenant in self.tenants.values() for key in tenant.api_keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("an API key is listed under two tenants")
+        if len(set(self.tenant_from)) != len(self.tenant_from):
+            raise ValueError(f"tenant_from lists a source twice: {self.tenant_from}")
+        return self
+
+    @property
+    def default_band_index(self) -> int:
+        return [band.name for band in self.bands].index(self.default_band)
+
+
+__all__ = ["BandConfig", "FlowConfig", "TenantConfig", "TenantSource"]
