@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvrouter.flow.settings import FlowConfig
 from kvrouter.typedefs import ReplicaName
 
 PolicyName = Literal["round_robin", "least_loaded", "kv_aware"]
@@ -175,6 +176,10 @@ class FleetConfig(BaseModel):
         default_factory=list,
         description="Names of LoRA adapters served by the replicas; a request naming one gets isolated keys.",
     )
+    flow: FlowConfig = Field(
+        default_factory=FlowConfig,
+        description="The router queue: saturation, priority bands, tenants and their weights (docs/flow-control.md).",
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> FleetConfig:
@@ -296,6 +301,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
     max_retries: int = Field(default=2, ge=0, le=5, description="Retries on another replica before any byte.")
     max_concurrency: int = Field(default=4096, ge=1, description="Requests in flight before new ones get 429.")
+    flow_control: bool | None = Field(
+        default=None,
+        description="Hold requests in the router while every replica is saturated (docs/flow-control.md); unset: "
+        "the `flow.enabled` of replicas.yaml.",
+    )
 
     health_interval_s: float = Field(default=2.0, gt=0, description="Active /health probe period.")
     metrics_interval_s: float = Field(default=1.0, gt=0, description="Engine /metrics scrape period.")

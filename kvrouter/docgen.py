@@ -31,6 +31,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from kvrouter.config import FleetConfig, KvEventsConfig, ReplicaConfig, Settings
+from kvrouter.flow.settings import BandConfig, FlowConfig, TenantConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 DOC_PATH = DOCS / "configuration.md"
@@ -155,8 +156,10 @@ def _default(info: FieldInfo) -> str:
         return f"`{str(value).lower()}`"
     if isinstance(value, int) and value >= 1024 * 1024 and value % (1024 * 1024) == 0:
         return f"`{value}` ({value // (1024 * 1024)} MiB)"
+    if isinstance(value, BaseModel):
+        return "the defaults below"
     if isinstance(value, (list, dict)):
-        return f"`{json.dumps(value)}`"
+        return f"`{json.dumps(value, default=lambda model: model.model_dump())}`"
     return f"`{value}`"
 
 
@@ -239,7 +242,7 @@ def render_configuration() -> str:
         out += ["", f"### {nested.__name__}", "", _doc_line(nested), ""]
         out += _settings_table(nested, f"{ENV_PREFIX}{field_name.upper()}{delimiter}", {}, delimiter)
     out += ["", "## replicas.yaml", ""]
-    for model in (FleetConfig, ReplicaConfig, KvEventsConfig):
+    for model in (FleetConfig, ReplicaConfig, KvEventsConfig, FlowConfig, BandConfig, TenantConfig):
         out += [f"### {model.__name__}", "", _doc_line(model), ""]
         out += _model_table(model, RESTART_FIELDS if model is FleetConfig else frozenset())
         out.append("")

@@ -39,6 +39,8 @@ class RequestError(Exception):
         self.code = code
         self.type = type_
         self.param = param
+        self.headers: dict[str, str] | None = None
+        """Extra response headers (a 429's Retry-After)."""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -113,9 +113,9 @@ class FlowQueue(Generic[T]):
         starving: Waiter[T] | None = None
         for band in self.bands:
             head = band.head()
-            if head is not None and now - head.enqueued >= self.starvation_s:
-                if starving is None or head.enqueued < starving.enqueued:
-                    starving = head
+            starved = head is not None and now - head.enqueued >= self.starvation_s
+            if starved and head is not None and (starving is None or head.enqueued < starving.enqueued):
+                starving = head
         if starving is not None:
             return self._take(self.bands[starving.flow.band], starving, now)
         for band in self.bands:
@@ -128,7 +128,11 @@ class FlowQueue(Generic[T]):
                 if head is None:
                     continue
                 virtual = band.virtual.get(tenant, 0.0)
-                if best is None or virtual < best_virtual or (virtual == best_virtual and head.enqueued < best.enqueued):
+                if (
+                    best is None
+                    or virtual < best_virtual
+                    or (virtual == best_virtual and head.enqueued < best.enqueued)
+                ):
                     best, best_virtual = head, virtual
             if best is not None:
                 return self._take(band, best, now)

@@ -2,7 +2,7 @@
 
     flow:
       enabled: true                 # KVROUTER_FLOW_CONTROL overrides it
-      hold_passes: 1.0              # a replica is saturated with this many engine passes of prefill queued
+      hold_passes: 2.0              # a replica is saturated with this many engine passes of prefill queued
       engine_waiting: null          # ... or with this many requests waiting in the engine (scraped; off)
       kv_usage: null                # ... or with its KV cache this full (scraped, 0..1; off)
       default_band: normal
@@ -15,9 +15,13 @@
       tenants:                      # weights for fair sharing (others weigh 1)
         team-a: {weight: 2, api_keys: ["sk-..."]}
 
-Why a pass: the engine computes at most `kv_batch_tokens` prompt tokens per pass and the router hears of the
-pass's end (first tokens) when it happens, so one pass of queued prefill keeps an engine busy until the router can
-send more; anything beyond it only waits in an engine queue where nobody can reorder it or move it elsewhere.
+Why two passes: the engine computes at most `kv_batch_tokens` prompt tokens per pass and the router hears of a
+pass's end (first tokens) when it happens, so the pass in progress plus one full pass ready behind it keep an
+engine busy until the router can send more, whatever the error of the router's estimate of the progress made on
+the request in progress (up to a pass). Anything beyond that only waits in an engine queue, where nobody can
+reorder it or move it elsewhere. One pass leaves passes short when the estimate runs ahead; on the held-out
+Mooncake synthetic trace (docs/benchmarks.md, "Router queue") 2 was the better of 0.5 / 1 / 2 / 4 at ×2.7, ×3.0
+and ×3.3.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$"
 
 
 class BandConfig(BaseModel):
+    """One priority band of the router queue (`flow.bands`, most urgent first)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=NAME_PATTERN, description="Band name (the x-kvrouter-priority header's value).")
@@ -43,6 +49,8 @@ class BandConfig(BaseModel):
 
 
 class TenantConfig(BaseModel):
+    """A tenant's share of service and the API keys that identify it (`flow.tenants`)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     weight: float = Field(default=1.0, gt=0, le=1000, description="Share of service relative to other tenants.")
@@ -58,11 +66,13 @@ def _default_bands() -> list[BandConfig]:
 
 
 class FlowConfig(BaseModel):
+    """The `flow:` section: the router queue (docs/flow-control.md)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(default=True, description="Hold requests in the router when every replica is saturated.")
     hold_passes: float = Field(
-        default=1.0, gt=0, le=64, description="Engine passes of queued prefill (x kv_batch_tokens) that saturate."
+        default=2.0, gt=0, le=64, description="Engine passes of queued prefill (x kv_batch_tokens) that saturate."
     )
     engine_waiting: int | None = Field(
         default=None, ge=1, description="Engine-reported waiting requests that saturate a replica (null: not used)."
@@ -70,7 +80,12 @@ class FlowConfig(BaseModel):
     kv_usage: float | None = Field(
         default=None, gt=0, le=1, description="Engine-reported KV usage that saturates a replica (null: not used)."
     )
-    bands: list[BandConfig] = Field(default_factory=_default_bands, min_length=1, max_length=16)
+    bands: list[BandConfig] = Field(
+        default_factory=_default_bands,
+        min_length=1,
+        max_length=16,
+        description="Priority bands, most urgent first; strict between bands, except for starvation_s.",
+    )
     default_band: str = Field(default="normal", description="Band of a request that names none (or an unknown one).")
     starvation_s: float = Field(
         default=10.0, gt=0, description="A request queued this long goes ahead of more urgent bands (no starvation)."

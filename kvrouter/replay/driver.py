@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from kvrouter.flow.classes import FlowClass, FlowClassifier
+from kvrouter.flow.classes import FlowClassifier
 from kvrouter.flow.queue import FlowQueue
 from kvrouter.flow.saturation import SaturationRule
 from kvrouter.flow.settings import FlowConfig

@@ -116,9 +116,7 @@ def flow_summary(result: ReplayResult) -> dict[str, Any]:
     fairness = result.fairness
     return {
         "queued": sum(r.queued_s > 0 for r in records),
-        "rejected": {
-            reason: sum(r.rejected == reason for r in records) for reason in ("queue_full", "ttl")
-        },
+        "rejected": {reason: sum(r.rejected == reason for r in records) for reason in ("queue_full", "ttl")},
         "queued_p99": percentile([r.queued_s for r in records if r.rejected is None], 99),
         "bands": {band: _group([r for r in records if r.band == band]) for band in bands},
         "tenants": {tenant: _group([r for r in records if r.tenant == tenant]) for tenant in tenants},

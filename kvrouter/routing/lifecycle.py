@@ -87,6 +87,8 @@ class Routed:
     cached_tokens: int | None = None
     """What the engine reported serving from cache, once `served` was called with a number."""
     finished_at: float | None = None
+    generated_tokens: int | None = None
+    """Tokens the engine generated, where its usage report said (set by the caller before `finish`)."""
     _served: bool = field(default=False, repr=False)
 
     @property

@@ -107,6 +107,10 @@ class Router:
         self.listeners = tuple(listeners)
         self.clock = clock
 
+    def add_listener(self, listener: RequestListener) -> None:
+        """One more listener of every routed request's life (a part built after the router: the flow gate)."""
+        self.listeners = (*self.listeners, listener)
+
     async def facts(self, request: ParsedRequest) -> RoutingFacts:
         prompts = None
         if self.tokenizer is not None:

@@ -45,6 +45,7 @@ from kvrouter.routing.quality import RoutingQuality, SaturationConfig
 from kvrouter.routing.router import PrefixLookup, PromptTokenizer, Router
 from kvrouter.routing.sharing import LoadShare, ShareLimits
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
+from kvrouter.server.flow_gate import FlowGate
 from kvrouter.server.local_loadplane import LocalLoadPlane
 from kvrouter.server.proxy import Proxy
 from kvrouter.server.quality_metrics import QualityCollector
@@ -225,7 +226,20 @@ def create_app(
     metrics.registry.register(QualityCollector(quality, replicas, load, saturation, costs=cost_source))
     forget = forget_replica(prefix.index, prefix.event_listeners, clock)
     replicas.on_gone = forget
-    proxy = Proxy(settings=settings, router=router, replicas=replicas, load=load, metrics=metrics, clock=clock)
+    flow = fleet.flow
+    if settings.flow_control is not None:
+        flow = flow.model_copy(update={"enabled": settings.flow_control})
+    gate = FlowGate(
+        flow,
+        router=router,
+        replicas=replicas,
+        batch_tokens=settings.kv_batch_tokens,
+        registry=metrics.registry,
+        clock=clock,
+    )
+    proxy = Proxy(
+        settings=settings, router=router, replicas=replicas, load=load, metrics=metrics, clock=clock, gate=gate
+    )
     app[SETTINGS] = settings
     app[FLEET] = fleet
     app[METRICS] = metrics
@@ -252,6 +266,7 @@ def create_app(
     )
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_replica_watch)
+    app.cleanup_ctx.append(gate.context)
     app.cleanup_ctx.extend(prefix.contexts)
     return app
 

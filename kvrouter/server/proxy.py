@@ -58,6 +58,7 @@ from kvrouter.server.assembly import (
     assemblable,
     assemble,
 )
+from kvrouter.server.flow_gate import Admission, FlowGate
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
 from kvrouter.server.request_ids import RequestIds
 from kvrouter.server.status import StatusEndpoints
@@ -66,10 +67,10 @@ from kvrouter.server.streaming import (
     REQUEST_ID_HEADER,
     BodyTooLarge,
     UsageScanner,
-    cached_tokens_in_body,
     downstream_headers,
     read_capped,
     upstream_headers,
+    usage_in_body,
 )
 from kvrouter.typedefs import ReplicaName
 
@@ -118,8 +119,10 @@ class PathAllowList:
 
 
 def error_response(error: RequestError, request_id: str | None = None) -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
-    return web.json_response(error.body(), status=error.status, headers=headers)
+    headers = dict(error.headers) if error.headers else {}
+    if request_id:
+        headers[REQUEST_ID_HEADER] = request_id
+    return web.json_response(error.body(), status=error.status, headers=headers or None)
 
 
 def _bearer(request: web.Request) -> str:
@@ -142,8 +145,11 @@ class Proxy:
         metrics: RouterMetrics,
         clock: Callable[[], float],
         request_ids: Callable[[], str] | None = None,
+        gate: FlowGate | None = None,
     ) -> None:
         self.settings = settings
+        self.gate = gate
+        """The router queue (kvrouter.server.flow_gate); None: every request is sent at once."""
         self.request_ids = request_ids or RequestIds()
         self.router = router
         self.replicas = replicas
@@ -165,6 +171,7 @@ class Proxy:
         app.router.add_get("/metrics", status.prometheus)
         app.router.add_post("/debug/route", status.debug_route)
         app.router.add_post("/debug/route/{endpoint}", status.debug_route)
+        app.router.add_get("/debug/queue", status.debug_queue)
         # Unmatched paths go to a replica through a middleware rather than a catch-all route, so routes that
         # other modules register later (admin, readiness) are never shadowed.
         app.middlewares.append(self.passthrough_unmatched)
@@ -242,8 +249,13 @@ class Proxy:
             self.check_client(request)
             raw = await self.read_body(request)
             parsed = parse_request(endpoint, raw)
+            gate = self.gate
+            flow = gate.classify(request.headers, _bearer(request), parsed) if gate is not None else None
             facts = await self.router.facts(parsed)
-            return await self._dispatch(request, raw, parsed, facts, request_id, start)
+            admission = None
+            if gate is not None and flow is not None:
+                admission = await gate.admit(flow, facts, request_id)
+            return await self._dispatch(request, raw, parsed, facts, request_id, start, admission)
         except RequestError as error:
             return error_response(error, request_id)
         finally:
@@ -257,20 +269,27 @@ class Proxy:
         facts: RoutingFacts,
         request_id: str,
         start: float,
+        admission: Admission | None = None,
     ) -> web.StreamResponse:
         route = _ROUTES[parsed.endpoint]
         tried: list[ReplicaName] = []
         refused: Refused | None = None
         answered_5xx: list[tuple[ReplicaState, str]] = []
-        for _attempt in range(self.settings.max_retries + 1):
-            candidates = self.replicas.routable(exclude=tried)
-            if not candidates:
-                break
-            began = self.clock()
-            decision = self.router.decide(facts, [replica.route for replica in candidates])
-            replica = self.replicas.by_name[decision.chosen]
-            routed = self.router.commit(decision, facts, replica.route, arrival=start)
-            self.metrics.decision_seconds.observe(self.clock() - began)
+        for attempt in range(self.settings.max_retries + 1):
+            if attempt == 0 and admission is not None and admission.dispatched is not None:
+                # Queued, then dispatched by the gate: it chose the replica and committed when capacity freed.
+                replica, routed = admission.dispatched.replica, admission.dispatched.routed
+            else:
+                candidates = self.replicas.routable(exclude=tried)
+                if not candidates:
+                    break
+                began = self.clock()
+                decision = self.router.decide(facts, [replica.route for replica in candidates])
+                replica = self.replicas.by_name[decision.chosen]
+                routed = self.router.commit(decision, facts, replica.route, arrival=start)
+                self.metrics.decision_seconds.observe(self.clock() - began)
+            if attempt == 0 and admission is not None and self.gate is not None:
+                self.gate.charge_routed(admission.flow, routed)
             predicted = routed.predicted_cached
             if log.isEnabledFor(logging.DEBUG):
                 # Prompt text reaches the logs only when the operator asked for it (`log_prompts`).
@@ -480,7 +499,8 @@ class Proxy:
             replica.record_progress()
             routed.first_token(self.clock())
             if "content-encoding" not in upstream.headers:
-                self._observe_cached(replica, routed, cached_tokens_in_body(body))
+                cached, routed.generated_tokens = usage_in_body(body)
+                self._observe_cached(replica, routed, cached)
                 if answer is not None and answer.plan is Plan.LEARN and status == 200:
                     self._learn(replica, answer.parsed.endpoint, body)
             self.metrics.requests.labels(replica.name, route, str(status)).inc()
@@ -631,6 +651,7 @@ class Proxy:
             self.metrics.requests.labels(replica.name, route, status).inc()
             timers.duration.observe(self.clock() - start)
             scanner.close()
+            routed.generated_tokens = scanner.completion_tokens
             self._observe_cached(replica, routed, scanner.cached_tokens)
         return response
 

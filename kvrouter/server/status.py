@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvrouter.metrics import RouterMetrics
     from kvrouter.routing.load import LoadBook
     from kvrouter.routing.router import Router
+    from kvrouter.server.flow_gate import FlowGate
     from kvrouter.server.replicas import ReplicaSet, ReplicaState
 
 _CANDIDATE_FIELDS = frozenset({"replica", "cached_tokens", "score"})
@@ -51,10 +52,17 @@ class StatusHost(Protocol):
     def load(self) -> LoadBook: ...
     @property
     def metrics(self) -> RouterMetrics: ...
+    @property
+    def gate(self) -> FlowGate | None: ...
     def check_client(self, request: web.Request) -> None: ...
     def check_admin(self, request: web.Request) -> None: ...
     def client_session(self) -> aiohttp.ClientSession: ...
     async def read_body(self, request: web.Request) -> bytes: ...
+
+
+def _bearer_of(request: web.Request) -> str:
+    value = request.headers.get("authorization", "")
+    return value[7:].strip() if value[:7].lower() == "bearer " else ""
 
 
 def _error(error: RequestError) -> web.Response:
@@ -125,6 +133,8 @@ class StatusEndpoints:
             raw = await self.proxy.read_body(request)
             endpoint = self._debug_endpoint(request, raw)
             parsed = parse_request(endpoint, raw)
+            gate = self.proxy.gate
+            flow = gate.classify(request.headers, _bearer_of(request), parsed) if gate is not None else None
             facts = await self.proxy.router.facts(parsed)
         except RequestError as error:
             return _error(error)
@@ -132,12 +142,25 @@ class StatusEndpoints:
         if not candidates:
             return _error(RequestError("no healthy replica is available", status=503, code="no_replica_available"))
         decision = self.proxy.router.decide(facts, [replica.route for replica in candidates])
+        flow_view: dict[str, Any] | None = None
+        if gate is not None and flow is not None:
+            reasons = gate.saturation_reasons()
+            held = gate.enabled and (len(gate.queue) > 0 or all(reason is not None for reason in reasons.values()))
+            flow_view = {
+                "enabled": gate.enabled,
+                "band": gate.config.bands[flow.band].name,
+                "tenant": flow.label,
+                "would_queue": held,
+                "queued_in_band": gate.queue.lengths()[gate.config.bands[flow.band].name],
+                "replicas": reasons,
+            }
         return web.json_response(
             {
                 "chosen": decision.chosen,
                 "policy": self.proxy.router.policy.name,
                 "endpoint": endpoint,
                 "prompt_tokens": facts.prompt_tokens,
+                "flow": flow_view,
                 "candidates": [
                     {
                         "replica": c.replica,
@@ -149,6 +172,24 @@ class StatusEndpoints:
                 ],
             }
         )
+
+    async def debug_queue(self, request: web.Request) -> web.Response:
+        """The router queue now: saturation per replica, lengths per band, and who waits where (the first 100);
+        `?request_id=` gives one queued request's position."""
+        try:
+            self.proxy.check_admin(request)
+        except RequestError as error:
+            return _error(error)
+        gate = self.proxy.gate
+        if gate is None:
+            return web.json_response({"enabled": False})
+        request_id = request.query.get("request_id")
+        if request_id is not None:
+            position = gate.position(request_id)
+            if position is None:
+                return _error(RequestError("no such request in the queue", status=404, code="not_queued"))
+            return web.json_response({"request_id": request_id, **position})
+        return web.json_response(gate.snapshot())
 
     @staticmethod
     def _debug_endpoint(request: web.Request, raw: bytes) -> Endpoint:

@@ -122,6 +122,26 @@ def cached_tokens_of(payload: Any) -> int | None:
     return None
 
 
+def completion_tokens_of(payload: Any) -> int | None:
+    """`usage.completion_tokens` of a decoded response object, when the engine reported it."""
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    generated = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(generated, int) and not isinstance(generated, bool) and generated >= 0:
+        return generated
+    return None
+
+
+def usage_in_body(body: bytes) -> tuple[int | None, int | None]:
+    """(cached prompt tokens, completion tokens) reported in a whole JSON response, each None when absent."""
+    if _CACHED_TOKENS not in body and b'"completion_tokens"' not in body:
+        return None, None
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        return None, None
+    return cached_tokens_of(payload), completion_tokens_of(payload)
+
+
 def cached_tokens_in_body(body: bytes) -> int | None:
     """Cached tokens reported in a whole JSON response; the byte test skips decoding bodies without usage."""
     if _CACHED_TOKENS not in body:
@@ -140,11 +160,13 @@ class UsageScanner:
     every chunk), so a stream without usage costs one byte search per chunk.
     """
 
-    __slots__ = ("_pending", "cached_tokens")
+    __slots__ = ("_pending", "cached_tokens", "completion_tokens")
 
     def __init__(self) -> None:
         self._pending = b""
         self.cached_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        """From the same usage report (the flow queue charges a tenant's generated tokens with it)."""
 
     def feed(self, chunk: bytes) -> None:
         data = self._pending + chunk if self._pending else chunk
@@ -168,8 +190,10 @@ class UsageScanner:
                 continue
             payload = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
             try:
-                cached = cached_tokens_of(json.loads(payload))
+                decoded = json.loads(payload)
             except (ValueError, RecursionError):
                 continue
+            cached = cached_tokens_of(decoded)
             if cached is not None:
                 self.cached_tokens = cached
+                self.completion_tokens = completion_tokens_of(decoded)
