@@ -38,6 +38,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--admin-token": ("admin_token", "Bearer token required by /debug and /admin endpoints"),
     "--max-retries": ("max_retries", "retries on another replica before any byte reached the client"),
     "--max-concurrency": ("max_concurrency", "requests in flight before new ones get 429"),
+    "--flow-control": ("flow_control", "true/false: hold requests in the router while every replica is saturated"),
     "--max-body-bytes": ("max_body_bytes", "largest request body accepted"),
     "--connect-timeout": ("connect_timeout_s", "seconds to connect to a replica"),
     "--read-timeout": ("read_timeout_s", "longest wait in seconds for the next chunk from a replica"),

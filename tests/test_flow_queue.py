@@ -82,16 +82,22 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     assert served["c"] <= 6 and served["a"] >= 4 and served["b"] >= 4
 
 
-def test_a_request_waiting_past_starvation_s_goes_before_more_urgent_bands() -> None:
-    queue: FlowQueue[str] = FlowQueue(FlowConfig(starvation_s=5.0))
-    queue.push("low", flow(LOW), 0.0)
-    for number in range(3):
+def test_starving_requests_get_their_share_of_dispatches_and_no_more() -> None:
+    queue: FlowQueue[str] = FlowQueue(FlowConfig(starvation_s=5.0, starvation_share=0.25))
+    for number in range(4):
+        queue.push(f"low{number}", flow(LOW), 0.0)
+    for number in range(12):
         queue.push(f"high{number}", flow(HIGH), 1.0)
-    first = queue.pop(4.0)
-    assert first is not None and first.payload == "high0"
-    second = queue.pop(5.0)
-    assert second is not None and second.payload == "low"
-    assert second.waited(6.0) == pytest.approx(5.0)
+    before = [queue.pop(4.0) for _ in range(3)]
+    assert [waiter.payload for waiter in before if waiter is not None] == ["high0", "high1", "high2"]
+    after = [waiter.payload for waiter in (queue.pop(6.0) for _ in range(8)) if waiter is not None]
+    # Strict order (high) except every 4th dispatch, which goes to the oldest starving low.
+    assert after == ["low0", "high3", "high4", "high5", "low1", "high6", "high7", "high8"]
+    strict: FlowQueue[str] = FlowQueue(FlowConfig(starvation_s=5.0))
+    strict.push("low", flow(LOW), 0.0)
+    strict.push("high", flow(HIGH), 1.0)
+    first = strict.pop(4.0)
+    assert first is not None and first.payload == "high"
 
 
 def test_ttl_and_length_limits() -> None:

@@ -3,9 +3,10 @@
 Pure and synchronous; `now` is the caller's clock (monotonic live, virtual in replay), the payload is whatever the
 caller needs to dispatch a waiter (a future live, a trace position in replay).
 
-Order. Bands are strict — a request of a more urgent band goes first — with one guard against starvation: a
-waiter queued `starvation_s` or longer is served before any band's fair pick (the oldest such first), so a busy
-high band delays the low band by at most that much beyond its own backlog. Inside a band, tenants share in the
+Order. Bands are strict — a request of a more urgent band goes first — with one guard against starvation: while
+some waiter has been queued `starvation_s` or longer, every (1 / `starvation_share`)-th dispatch goes to the oldest
+such waiter whatever its band, so a band that more urgent traffic would otherwise shut out keeps that share of the
+fleet (10% by default) and moves. Inside a band, tenants share in the
 spirit of VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24): each tenant has a virtual
 counter of the service it received — prompt tokens computed and tokens generated (`charge`), divided by its
 weight — and the backlogged tenant with the lowest counter is served next, first come first served within the
@@ -81,6 +82,8 @@ class FlowQueue(Generic[T]):
         self.config = config
         self.bands: list[_Band[T]] = [_Band(band.name, band.ttl_s, band.max_queue) for band in config.bands]
         self.starvation_s = config.starvation_s
+        self._starving_every = max(1, round(1 / config.starvation_share))
+        self._turn = 0
 
     def __len__(self) -> int:
         return sum(band.queued for band in self.bands)
@@ -116,7 +119,11 @@ class FlowQueue(Generic[T]):
             starved = head is not None and now - head.enqueued >= self.starvation_s
             if starved and head is not None and (starving is None or head.enqueued < starving.enqueued):
                 starving = head
-        if starving is not None:
+        self._turn += 1
+        if starving is not None and self._turn >= self._starving_every:
+            # The guard's share of dispatches, not all of them: under sustained overload every head of a lower
+            # band is old, and a guard that always won would turn the bands upside down.
+            self._turn = 0
             return self._take(self.bands[starving.flow.band], starving, now)
         for band in self.bands:
             if band.queued == 0:

@@ -10,7 +10,8 @@
         - {name: high, ttl_s: 30, max_queue: 1024}
         - {name: normal, ttl_s: 60, max_queue: 4096}
         - {name: low, ttl_s: 120, max_queue: 4096}
-      starvation_s: 10              # a request waiting this long is served ahead of more urgent bands
+      starvation_s: 10              # a request waiting this long is starving ...
+      starvation_share: 0.1         # ... and every 10th dispatch goes to the oldest starving one
       tenant_from: [header, api_key, user]
       tenants:                      # weights for fair sharing (others weigh 1)
         team-a: {weight: 2, api_keys: ["sk-..."]}
@@ -88,7 +89,13 @@ class FlowConfig(BaseModel):
     )
     default_band: str = Field(default="normal", description="Band of a request that names none (or an unknown one).")
     starvation_s: float = Field(
-        default=10.0, gt=0, description="A request queued this long goes ahead of more urgent bands (no starvation)."
+        default=10.0, gt=0, description="A request queued this long is starving: the guard below serves it."
+    )
+    starvation_share: float = Field(
+        default=0.1,
+        gt=0,
+        le=1,
+        description="Share of dispatches that go to the oldest starving request, whatever its band (no starvation).",
     )
     tenant_from: list[TenantSource] = Field(
         default_factory=lambda: list(DEFAULT_TENANT_FROM),
