@@ -203,3 +203,21 @@ def test_the_flow_section_is_validated_with_one_line_errors() -> None:
         with pytest.raises(ConfigError) as caught:
             parse_fleet({"replicas": replicas, "flow": section}, Path("r.yaml"))
         assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_predicted_wait_follows_the_dispatch_rate_while_backlogged() -> None:
+    queue: FlowQueue[int] = FlowQueue(FlowConfig())
+    assert queue.predicted_wait(flow()) is None  # nothing seen yet
+    now = 0.0
+    for number in range(40):
+        queue.push(number, flow(), now)
+        now += 0.5  # one dispatch every half second while one waits
+        assert queue.pop(now) is not None
+    idle_until = now + 100.0  # an idle hour does not slow the estimate: only backlogged time counts
+    for number in range(5):
+        queue.push(number, flow(), idle_until)
+    predicted = queue.predicted_wait(flow())
+    assert predicted == pytest.approx(6 * 0.5, rel=0.05)
+    assert queue.predicted_wait(flow(LOW)) == pytest.approx(predicted)  # nothing queued in other bands
+    queue.push(99, flow(HIGH), idle_until)
+    assert queue.predicted_wait(flow(HIGH)) == pytest.approx(2 * 0.5, rel=0.05)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvrouter.config import Settings
-from kvrouter.flow.settings import BandConfig, FlowConfig
+from kvrouter.flow.settings import BandConfig, FlowConfig, TenantConfig
 from kvrouter.replay.cli import replay_policy_object
 from kvrouter.replay.driver import ReplayOptions, ReplayResult, VirtualClock, replay_policy
 from kvrouter.replay.prompts import PromptCatalog
@@ -62,15 +62,20 @@ def test_the_queue_holds_and_every_request_ends_once(overloaded: Trace) -> None:
         else:
             assert record.first_token is None and record.replica == ""
     summary = summarize(result)
-    assert summary["completed"] + summary["flow"]["rejected"]["ttl"] == summary["scheduled"]
+    assert summary["completed"] + sum(summary["flow"]["rejected"].values()) == summary["scheduled"]
 
 
 def test_a_short_ttl_bounds_the_wait_and_rejects_the_rest(overloaded: Trace) -> None:
-    flow = FlowConfig(bands=[BandConfig(name="normal", ttl_s=2.0)])
+    flow = FlowConfig(bands=[BandConfig(name="normal", ttl_s=2.0)], fail_fast=False)
     result = replay(overloaded, flow)
     rejected = [r for r in result.records if r.rejected is not None]
     assert rejected and all(r.rejected == "ttl" for r in rejected)
     assert max(r.queued_s for r in result.records) <= 2.0 + 1e-9
+    # Failing fast, most of the requests that would have expired are refused on arrival instead.
+    fast = replay(overloaded, flow.model_copy(update={"fail_fast": True}))
+    reasons = [r.rejected for r in fast.records if r.rejected is not None]
+    assert reasons.count("predicted_ttl") > reasons.count("ttl")
+    assert max(r.queued_s for r in fast.records) <= 2.0 + 1e-9
     full = replay(overloaded, FlowConfig(bands=[BandConfig(name="normal", max_queue=5)]))
     assert any(r.rejected == "queue_full" for r in full.records)
 
@@ -121,3 +126,16 @@ def test_tenancy_is_deterministic_and_keeps_conversations_together(overloaded: T
         by_conversation.setdefault(key, set()).add(first.tenant[request.index])
     assert all(len(owners) == 1 for owners in by_conversation.values())
     assert 0.1 < len(first.urgent) / len(overloaded.requests) < 0.3
+
+
+def test_backlogged_tenants_share_service_evenly() -> None:
+    trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=8.0, limit=1200)
+    assigned = assign(trace, Tenancy(tenants=3, seed=2))
+    result = replay(assigned.trace, FlowConfig(), tenants=assigned.tenant)
+    assert len(result.fairness) >= 5
+    assert sum(result.fairness) / len(result.fairness) >= 0.9
+    # A weight of 3 buys t0 three times the share while all wait: its requests wait less than the others'.
+    weighted = replay(assigned.trace, FlowConfig(tenants={"t0": TenantConfig(weight=3.0)}), tenants=assigned.tenant)
+    flow = summarize(weighted)["flow"]["tenants"]
+    assert flow["t0"]["queued_p99"] < min(flow["t1"]["queued_p99"], flow["t2"]["queued_p99"])
+    assert sum(weighted.fairness) / len(weighted.fairness) >= 0.9  # weighted service stays even

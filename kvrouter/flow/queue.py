@@ -15,8 +15,11 @@ idle time banks no credit; when a band's queue empties the counters start over (
 that are waiting together). Tenants tracked per band are capped (`max_tenants`); beyond it new ones share one.
 
 Limits. A band holds at most `max_queue` waiters (`push` returns None past it: the caller answers 429), and a
-waiter is held at most its band's `ttl_s` (`expire` hands back the ones past it: 429 with Retry-After). `cancel`
-takes out a waiter whose client left; it costs nothing but a mark (waiters are dropped lazily).
+waiter is held at most its band's `ttl_s` (`expire` hands back the ones past it: 429 with Retry-After).
+`predicted_wait` says how long a new waiter would wait — the waiters ahead of it times the recent time between
+dispatches while the queue was backlogged — so the caller can refuse at once a request that would only expire
+(`fail_fast`) instead of holding it for a whole TTL first. `cancel` takes out a waiter whose client left; it costs
+nothing but a mark (waiters are dropped lazily).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from kvrouter.flow.settings import FlowConfig
 T = TypeVar("T")
 WaiterState = Literal["queued", "dispatched", "expired", "cancelled"]
 OVERFLOW_TENANT = "~overflow"
+MIN_GAPS = 32
+"""Dispatches seen before `predicted_wait` says anything."""
+GAP_HORIZON = 256
+"""Dispatches over which the mean time between dispatches is averaged (then decays)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +91,12 @@ class FlowQueue(Generic[T]):
         self.starvation_s = config.starvation_s
         self._starving_every = max(1, round(1 / config.starvation_share))
         self._turn = 0
+        self._queued = 0
+        self._backlog_since = 0.0
+        """When the queue last went from empty to non-empty (or the last dispatch, whichever is later)."""
+        self._gap_s = 0.0
+        self._gaps = 0
+        """A decayed mean of the time between dispatches while something waited, and how many it has seen."""
 
     def __len__(self) -> int:
         return sum(band.queued for band in self.bands)
@@ -91,11 +104,23 @@ class FlowQueue(Generic[T]):
     def lengths(self) -> dict[str, int]:
         return {band.name: band.queued for band in self.bands}
 
+    def predicted_wait(self, flow: FlowClass) -> float | None:
+        """How long a request of `flow` queued now would wait: the waiters ahead of it (its band and the more
+        urgent ones) times the recent time between dispatches while the queue was backlogged; None until a few
+        dozen dispatches were seen."""
+        if self._gaps < MIN_GAPS:
+            return None
+        ahead = sum(band.queued for band in self.bands[: flow.band + 1])
+        return (ahead + 1) * self._gap_s
+
     def push(self, payload: T, flow: FlowClass, now: float) -> Waiter[T] | None:
         """Queue `payload`; None when its band is full."""
         band = self.bands[flow.band]
         if band.queued >= band.max_queue:
             return None
+        if self._queued == 0:
+            self._backlog_since = now
+        self._queued += 1
         fair_id = flow.tenant
         if fair_id not in band.virtual and len(band.virtual) >= self.config.max_tenants:
             fair_id = OVERFLOW_TENANT
@@ -148,10 +173,15 @@ class FlowQueue(Generic[T]):
     def _take(self, band: _Band[T], waiter: Waiter[T], now: float) -> Waiter[T]:
         waiter.state = "dispatched"
         waiter.dispatched_at = now
+        gap = max(0.0, now - self._backlog_since)
+        self._gap_s = gap if self._gaps == 0 else self._gap_s + (gap - self._gap_s) / min(self._gaps + 1, GAP_HORIZON)
+        self._gaps += 1
+        self._backlog_since = now
         self._left(band, waiter)
         return waiter
 
     def _left(self, band: _Band[T], waiter: Waiter[T]) -> None:
+        self._queued -= 1
         band.queued -= 1
         band.tenant_head(waiter.fair_id)  # drops it from its tenant's deque when it was the head
         if band.queued == 0:

@@ -12,6 +12,7 @@
         - {name: low, ttl_s: 120, max_queue: 4096}
       starvation_s: 10              # a request waiting this long is starving ...
       starvation_share: 0.1         # ... and every 10th dispatch goes to the oldest starving one
+      fail_fast: true               # a request predicted to wait past its TTL gets its 429 at once
       tenant_from: [header, api_key, user]
       tenants:                      # weights for fair sharing (others weigh 1)
         team-a: {weight: 2, api_keys: ["sk-..."]}
@@ -96,6 +97,10 @@ class FlowConfig(BaseModel):
         gt=0,
         le=1,
         description="Share of dispatches that go to the oldest starving request, whatever its band (no starvation).",
+    )
+    fail_fast: bool = Field(
+        default=True,
+        description="Refuse at once (429, Retry-After) a request whose predicted wait exceeds its band's TTL.",
     )
     tenant_from: list[TenantSource] = Field(
         default_factory=lambda: list(DEFAULT_TENANT_FROM),

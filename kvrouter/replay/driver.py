@@ -86,8 +86,9 @@ class ReplayOptions:
     """Tenant per trace index (`kvrouter.replay.tenancy`); None: every request is `anonymous`."""
     urgent: frozenset[int] = frozenset()
     """Trace indices in the most urgent band; the others are in the default band."""
-    fairness_window_s: float = 5.0
-    """Window of the service-share fairness measure (`ReplayResult.fairness`)."""
+    fairness_window_s: float = 10.0
+    """Window of the service-share fairness measure (`ReplayResult.fairness`): long against one request's service
+    (a 100k-token prompt is a dozen engine passes), or a single large prompt decides the window."""
 
 
 @dataclass(slots=True)
@@ -107,7 +108,7 @@ class RequestRecord:
     queued_s: float = 0.0
     """Time waited in the router queue (part of the TTFT)."""
     rejected: str | None = None
-    """Why the router turned it away (`queue_full`, `ttl`), never sent to an engine."""
+    """Why the router turned it away (`queue_full`, `ttl`, `predicted_ttl`), never sent to an engine."""
 
     @property
     def ttft(self) -> float | None:
@@ -241,6 +242,9 @@ class Replay:
         self._window_start = 0.0
         self._window_backlogged: set[str] = set()
         self._window_service: dict[str, float] = {}
+        self._tenant_waiting: dict[str, int] = {}
+        self._tenant_idle_at: dict[str, float] = {}
+        """When each tenant's last queued request left the queue (it stopped being backlogged)."""
 
     @property
     def now(self) -> float:
@@ -338,12 +342,18 @@ class Replay:
         self._records[request_id] = record
         queue = self.queue
         if queue is not None and (len(queue) > 0 or self._saturated()):
+            predicted = queue.predicted_wait(flow) if queue.config.fail_fast else None
+            if predicted is not None and predicted > queue.bands[flow.band].ttl_s:
+                record.rejected = "predicted_ttl"
+                self._unfinished -= 1
+                return
             waiter = queue.push(position, flow, self.now)
             if waiter is None:
                 record.rejected = "queue_full"
                 self._unfinished -= 1
             else:
                 self._push(waiter.deadline, _EXPIRE, None)
+                self._tenant_waiting[flow.tenant] = self._tenant_waiting.get(flow.tenant, 0) + 1
             return
         self._route(position)
 
@@ -367,6 +377,7 @@ class Replay:
             if waiter is None:
                 break
             self._records[str(self.requests[waiter.payload].index)].queued_s = waiter.waited(self.now)
+            self._left_queue(waiter.flow.tenant)
             self._route(waiter.payload)
 
     def _expire(self) -> None:
@@ -375,15 +386,27 @@ class Replay:
         for waiter in self.queue.expire(self.now):
             self._records[str(self.requests[waiter.payload].index)].rejected = "ttl"
             self._unfinished -= 1
+            self._left_queue(waiter.flow.tenant)
+
+    def _left_queue(self, tenant: str) -> None:
+        waiting = self._tenant_waiting[tenant] - 1
+        self._tenant_waiting[tenant] = waiting
+        if waiting == 0:
+            self._tenant_idle_at[tenant] = self.now
 
     def _fairness_tick(self, queue: FlowQueue[int]) -> None:
         """Close the fairness window when it is over: Jain's index of weighted service among the tenants that
-        were backlogged at its start and still are."""
+        were backlogged through all of it (queued at its start, and never without a queued request since)."""
         now = self.now
         if now - self._window_start < self.options.fairness_window_s:
             return
-        backlogged = {waiter.flow.tenant for waiter in queue.waiting()}
-        steady = self._window_backlogged & backlogged
+        backlogged = {tenant for tenant, waiting in self._tenant_waiting.items() if waiting > 0}
+        start = self._window_start
+        steady = {
+            tenant
+            for tenant in self._window_backlogged & backlogged
+            if self._tenant_idle_at.get(tenant, float("-inf")) < start
+        }
         if len(steady) >= 2:
             shares = [self._window_service.get(tenant, 0.0) for tenant in steady]
             total = sum(shares)

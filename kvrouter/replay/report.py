@@ -116,7 +116,9 @@ def flow_summary(result: ReplayResult) -> dict[str, Any]:
     fairness = result.fairness
     return {
         "queued": sum(r.queued_s > 0 for r in records),
-        "rejected": {reason: sum(r.rejected == reason for r in records) for reason in ("queue_full", "ttl")},
+        "rejected": {
+            reason: sum(r.rejected == reason for r in records) for reason in ("queue_full", "ttl", "predicted_ttl")
+        },
         "queued_p99": percentile([r.queued_s for r in records if r.rejected is None], 99),
         "bands": {band: _group([r for r in records if r.band == band]) for band in bands},
         "tenants": {tenant: _group([r for r in records if r.tenant == tenant]) for tenant in tenants},
@@ -165,7 +167,8 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
         jain = flow["jain_mean"]
         lines.append(
             f"{s['policy']}: queued {flow['queued']}, wait p99 {_ms(flow['queued_p99'])} ms, rejected "
-            f"{rejected['queue_full']} full / {rejected['ttl']} ttl; {bands}"
+            f"{rejected['queue_full']} full / {rejected['ttl']} ttl / {rejected['predicted_ttl']} at once "
+            f"(predicted past the TTL); {bands}"
             + ("" if jain is None else f"; Jain {jain:.3f} over {flow['jain_windows']} windows")
         )
     floor = next((s for s in summaries if s.get("floor_ttft_p99") is not None), None)

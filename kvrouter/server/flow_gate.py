@@ -10,9 +10,10 @@ moment (`Router.decide` and `Router.commit` run synchronously in the pump, so th
 counts it) and hands the handler the committed `Routed`. The TTFT the client sees counts the wait; the policy
 hears the TTFT from dispatch (what the replica did).
 
-Refusals: a full band, or a wait past the band's TTL, is a 429 with `Retry-After` (the band's recent wait,
-rounded up, at least 1 s); a fleet with no routable replica while requests wait gets them a 503. A client that
-disconnects while queued is taken out of the queue and nothing is sent upstream.
+Refusals: a full band, a wait past the band's TTL, or (`fail_fast`) a predicted wait past it, is a 429 with
+`Retry-After` (the band's recent wait, rounded up, at least 1 s); a fleet with no routable replica while requests
+wait gets them a 503. A client that disconnects while queued is taken out of the queue and nothing is sent
+upstream.
 
 Metrics (`kvrouter_flow_*`): queue length per band, waits per band and tenant, dispatches, rejections by reason,
 cancellations, unknown header values, service tokens charged per tenant, and whether the fleet is saturated now.
@@ -70,7 +71,8 @@ class FlowMetrics:
         )
         self.rejected = Counter(
             "kvrouter_flow_rejected",
-            "Requests the router queue turned away: queue_full, ttl (429 with Retry-After), no_replica (503).",
+            "Requests the router queue turned away: queue_full, ttl, predicted_ttl (429 with Retry-After), "
+            "no_replica (503).",
             ["band", "reason"],
             registry=registry,
         )
@@ -184,6 +186,11 @@ class FlowGate:
             # No replica at all is the proxy's 503, as without the gate; room now goes straight through.
             self.metrics.dispatched.labels(band, flow.label, "direct").inc()
             return Admission(flow)
+        predicted = self.queue.predicted_wait(flow) if self.config.fail_fast else None
+        ttl_s = self.config.bands[flow.band].ttl_s
+        if predicted is not None and predicted > ttl_s:
+            self.metrics.rejected.labels(band, "predicted_ttl").inc()
+            raise self._busy(flow, f"the router queue of band {band!r} would hold this request past its {ttl_s:g} s")
         loop = asyncio.get_running_loop()
         pending = _Pending(facts, loop.create_future(), request_id)
         waiter = self.queue.push(pending, flow, self.clock())
