@@ -8,8 +8,9 @@ figure is the router's own latency with one closed-loop client (p50, p99) and it
 under `--concurrency` clients. The fast replica answers at once, so no replica is ever saturated: what the
 queue adds is its classification of the request and one saturation check.
 
-Run from the repository root: `python loadtest/flow_overhead.py` (about a minute). Prints per round and the
-medians, with on - off for p50 (target: <= 0.05 ms) and the CPU ratio.
+First, in process, the gate's own cost per request on that path (classify + admit, nothing saturated) against
+one kv_aware decision. Run from the repository root: `python loadtest/flow_overhead.py` (about a minute). Prints
+that, then per round and the medians, with on - off for p50 (target: <= 0.05 ms) and the CPU ratio.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -89,13 +91,58 @@ async def bench(args: argparse.Namespace, config: Path, replica_port: int) -> in
     return 0
 
 
+def micro(iterations: int = 20_000) -> None:
+    """The gate's own cost, in process: classify + admit on an idle fleet of 4 (the path every request takes
+    while nothing is saturated), against one routing decision on the same request."""
+    from prometheus_client import CollectorRegistry
+
+    from kvrouter.config import Settings, parse_fleet
+    from kvrouter.openai_request import parse_request
+    from kvrouter.server.app import PROXY, ROUTER, create_app
+
+    fleet = parse_fleet(
+        {"replicas": [{"name": f"r{n}", "url": f"http://127.0.0.1:{9 + n}"} for n in range(4)]}, Path("x.yaml")
+    )
+    app = create_app(Settings(policy="kv_aware"), fleet, registry=CollectorRegistry())
+    gate, router = app[PROXY].gate, app[ROUTER]
+    assert gate is not None
+    parsed = parse_request("chat", REQUEST)
+    headers = {"x-kvrouter-priority": "high", "x-kvrouter-tenant": "team-a"}
+
+    async def run() -> tuple[float, float]:
+        facts = await router.facts(parsed)
+        routes = [replica.route for replica in app[PROXY].replicas.routable()]
+        started = time.perf_counter()
+        for _ in range(iterations):
+            flow = gate.classify(headers, "", parsed)
+            await gate.admit(flow, facts, "bench")
+        gate_s = (time.perf_counter() - started) / iterations
+        started = time.perf_counter()
+        for _ in range(iterations):
+            router.decide(facts, routes)
+        return gate_s, (time.perf_counter() - started) / iterations
+
+    gate_s, decide_s = asyncio.run(run())
+    print(
+        f"in process, {iterations} iterations: gate (classify + admit, nothing saturated) {gate_s * 1e6:.1f} us per "
+        f"request; one kv_aware decision over 4 replicas {decide_s * 1e6:.1f} us (ratio {gate_s / decide_s:.2f})"
+    )
+
+
+REQUEST = b'{"model": "bench-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}'
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of the CPU round per setting")
     parser.add_argument("--latency-duration", type=float, default=4.0, help="seconds of the one-client round")
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients of the CPU round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating off/on rounds")
+    parser.add_argument("--micro-only", action="store_true", help="only the in-process measurement of the gate")
     args = parser.parse_args()
+    micro()
+    if args.micro_only:
+        return 0
     from kvrouter.tinymodel import ensure_tokenizer
 
     tokenizer = ensure_tokenizer()

@@ -38,7 +38,7 @@ from kvrouter.flow.saturation import SaturationRule
 from kvrouter.flow.settings import FlowConfig
 from kvrouter.metrics import LATENCY_BUCKETS
 from kvrouter.openai_request import ParsedRequest, RequestError
-from kvrouter.policies.base import Decision, ReplicaLoad
+from kvrouter.policies.base import Decision
 from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.router import Router, RoutingFacts
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
@@ -237,12 +237,20 @@ class FlowGate:
             self.metrics.queued.labels(band).set(length)
 
     def _saturated(self, routable: list[ReplicaState]) -> bool:
+        """Every routable replica saturated. The load book's pending prefill bounds the policy's estimate from
+        above, so a replica under the threshold on it has room without asking the policy (the common case)."""
         estimate = getattr(self.router.policy, "queued_prefill_tokens", None)
-        loads: list[tuple[ReplicaLoad, float | None]] = []
+        rule = self.rule
+        snapshot = self.router.load.snapshot
         for replica in routable:
-            load = self.router.load.snapshot(replica.name)
-            loads.append((load, None if estimate is None else estimate(replica.name, load, replica.route.weight)))
-        saturated = self.rule.saturated(loads)
+            load = snapshot(replica.name)
+            if rule.reason(load) is None:
+                return self._saturation(False)
+            if estimate is not None and rule.reason(load, estimate(replica.name, load, replica.route.weight)) is None:
+                return self._saturation(False)
+        return self._saturation(bool(routable))
+
+    def _saturation(self, saturated: bool) -> bool:
         self.metrics.saturated.set(1 if saturated else 0)
         return saturated
 
