@@ -69,7 +69,7 @@ replica of half the speed: `weight: 0.5`). `kv_cache_weight` unset derives the w
 fleet's measured reuse (1 + cached ÷ computed prompt tokens, `kvrouter_kv_cache_weight`); a number pins it.
 """
 
-RESTART_FIELDS = frozenset({"tokenizer", "block_size", "hash_seed", "lora_adapters"})
+RESTART_FIELDS = frozenset({"tokenizer", "block_size", "hash_seed", "lora_adapters", "flow"})
 
 
 def _type_name(annotation: object) -> str:

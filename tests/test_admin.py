@@ -379,7 +379,14 @@ def test_plan_reload_classifies_changes() -> None:
 
 
 @pytest.mark.parametrize(
-    "change", [{"tokenizer": "/models/other"}, {"block_size": 32}, {"hash_seed": 7}, {"lora_adapters": ["sql"]}]
+    "change",
+    [
+        {"tokenizer": "/models/other"},
+        {"block_size": 32},
+        {"hash_seed": 7},
+        {"lora_adapters": ["sql"]},
+        {"flow": {"tenants": {"team-a": {"weight": 2}}}},
+    ],
 )
 def test_plan_reload_refuses_fleet_wide_changes(change: dict[str, Any]) -> None:
     a = {"name": "a", "url": "http://10.0.0.1:8000"}

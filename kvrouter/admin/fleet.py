@@ -75,6 +75,9 @@ def plan_reload(current: FleetConfig, new: FleetConfig) -> ReloadPlan:
             f"{', '.join(changed)} changed; every block key depends on "
             f"{'it' if len(changed) == 1 else 'them'}, so restart the router to apply this file"
         )
+    if current.flow != new.flow:
+        # Bands and tenants key the requests waiting now; the queue is built once, at start.
+        raise ReloadRefused("the flow section changed; restart the router to apply it (docs/flow-control.md)")
     old = {r.name: r for r in current.replicas}
     added: list[ReplicaConfig] = []
     replaced: list[ReplicaConfig] = []
