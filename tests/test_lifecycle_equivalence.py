@@ -165,6 +165,7 @@ class ScriptedEngine:
     """An `EngineModel` that runs one-tick passes and emits each request's first token and finish on schedule."""
 
     block_size = BLOCK
+    max_num_seqs = 256
 
     def __init__(self, name: ReplicaName, script: Script, caches: EngineCaches) -> None:
         self.name = name

@@ -2,9 +2,10 @@
 
 A replica is saturated when its pending prefill — the uncached prompt tokens of requests routed there that have
 not produced a first token, as the load book counts them for kv_aware, other routers' shared load included — is at
-least `hold_passes` x `batch_tokens` (the engine's max_num_batched_tokens), or, where configured, when the engine
-reports `engine_waiting` requests or more waiting, or its KV cache `kv_usage` full or more (both scraped, so up to
-a scrape old). Below that a request goes straight through; above it on every replica, it waits in the router.
+least `hold_passes` x `batch_tokens` (the engine's max_num_batched_tokens); or when it has `max_seqs` requests in
+flight (the engine's max_num_seqs: one more could not start, it would wait in the engine for a running request
+to end); or, where configured, when the engine reports `engine_waiting` requests or more waiting, or its KV cache
+`kv_usage` full or more (both scraped, so up to a scrape old). Below that a request goes straight through; above it on every replica, it waits in the router.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class SaturationRule:
     prefill_tokens: int
     engine_waiting: int | None = None
     kv_usage: float | None = None
+    max_seqs: int | None = None
 
     def reason(self, load: ReplicaLoad, queued_tokens: float | None = None) -> str | None:
         """Why this replica is saturated, or None when it can take more work now. `queued_tokens`: the policy's
@@ -28,6 +30,8 @@ class SaturationRule:
         queued = load.pending_prefill_tokens if queued_tokens is None else queued_tokens
         if queued >= self.prefill_tokens:
             return f"queued prefill {queued:.0f} >= {self.prefill_tokens} tokens"
+        if self.max_seqs is not None and load.in_flight >= self.max_seqs:
+            return f"{load.in_flight} requests in flight >= max_seqs {self.max_seqs}"
         if self.engine_waiting is not None and (load.engine_waiting or 0) >= self.engine_waiting:
             return f"engine waiting {load.engine_waiting} >= {self.engine_waiting}"
         if self.kv_usage is not None and (load.kv_usage or 0.0) >= self.kv_usage:

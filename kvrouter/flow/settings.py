@@ -3,6 +3,7 @@
     flow:
       enabled: true                 # KVROUTER_FLOW_CONTROL overrides it
       hold_passes: 2.0              # a replica is saturated with this many engine passes of prefill queued
+      max_seqs: 256                 # ... or with this many requests in flight (vLLM's --max-num-seqs; null: off)
       engine_waiting: null          # ... or with this many requests waiting in the engine (scraped; off)
       kv_usage: null                # ... or with its KV cache this full (scraped, 0..1; off)
       default_band: normal
@@ -75,6 +76,12 @@ class FlowConfig(BaseModel):
     enabled: bool = Field(default=True, description="Hold requests in the router when every replica is saturated.")
     hold_passes: float = Field(
         default=2.0, gt=0, le=64, description="Engine passes of queued prefill (x kv_batch_tokens) that saturate."
+    )
+    max_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        description="The engines' --max-num-seqs: a replica with this many requests in flight is saturated "
+        "(null: not used; the replay takes it from its engines).",
     )
     engine_waiting: int | None = Field(
         default=None, ge=1, description="Engine-reported waiting requests that saturate a replica (null: not used)."

@@ -225,8 +225,10 @@ class Replay:
             if spread.routers > 1:
                 raise ValueError("the router queue replays with one router (--routers 1)")
             self.queue = FlowQueue(flow)
+            # The engines' max_num_seqs is the replay's to know: taken from them unless the flow section sets it.
+            max_seqs = flow.max_seqs or min(engine.model.max_num_seqs for engine in self.engines)
             self.saturation = SaturationRule(
-                int(flow.hold_passes * self.options.batch_tokens), flow.engine_waiting, flow.kv_usage
+                int(flow.hold_passes * self.options.batch_tokens), flow.engine_waiting, flow.kv_usage, max_seqs
             )
         classifier = FlowClassifier(flow or FlowConfig())
         self._band_names = [band.name for band in classifier.config.bands]

@@ -154,7 +154,9 @@ class FlowGate:
         self.enabled = config.enabled
         self.classifier = FlowClassifier(config)
         self.queue: FlowQueue[_Pending] = FlowQueue(config)
-        self.rule = SaturationRule(int(config.hold_passes * batch_tokens), config.engine_waiting, config.kv_usage)
+        self.rule = SaturationRule(
+            int(config.hold_passes * batch_tokens), config.engine_waiting, config.kv_usage, config.max_seqs
+        )
         self.router = router
         self.replicas = replicas
         self.clock = clock

@@ -125,6 +125,7 @@ class VllmEngine:
         self.config = config
         self.timing = timing
         self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
         self.cache = PrefixCache(config.num_blocks, config.block_size)
         self.hash_seed = hash_seed
         self._root = root_hash(hash_seed)

@@ -182,6 +182,7 @@ class DynamoMockerEngine:
     def __init__(self, config: MockerConfig | None = None) -> None:
         self.config = config or MockerConfig()
         self.block_size = self.config.block_size
+        self.max_num_seqs = self.config.max_seqs
         self._pool = _BlockPool(self.config.num_blocks, self.config.block_size)
         self._requests: dict[str, _Request] = {}
         self._waiting: deque[_Request] = deque()

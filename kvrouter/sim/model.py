@@ -89,6 +89,8 @@ class EngineGaugesSnapshot:
 
 class EngineModel(Protocol):
     block_size: int
+    max_num_seqs: int
+    """Requests the engine runs at once (vLLM's --max-num-seqs); more wait in its queue."""
 
     def add(self, request: EngineRequest) -> None: ...
 
