@@ -40,7 +40,7 @@ def test_inside_a_band_the_tenant_with_less_service_goes_first() -> None:
     queue.push("b0", flow(tenant="b"), 0.5)
     first = queue.pop(1.0)
     assert first is not None and first.payload == "a0"
-    queue.charge(first.flow, 1000)  # a was served 1,000 tokens: b (lifted to a's old counter, 0) goes next
+    queue.charge(first.flow, 1000, 1.0)  # a was served 1,000 tokens: b (lifted to a's old counter, 0) goes next
     second = queue.pop(1.0)
     assert second is not None and second.payload == "b0"
 
@@ -55,31 +55,63 @@ def test_weights_share_service_in_proportion() -> None:
     for _ in range(300):
         waiter = queue.pop(1.0)
         assert waiter is not None
-        queue.charge(waiter.flow, 100)
+        queue.charge(waiter.flow, 100, 1.0)
         served[waiter.flow.tenant] += 100
     assert served["heavy"] == pytest.approx(2 * served["light"], rel=0.02)
 
 
-def test_an_idle_tenant_banks_no_credit() -> None:
+def test_with_vtc_counters_an_idle_tenant_banks_no_credit() -> None:
     """A tenant that arrives late starts level with the backlogged ones, not far ahead of them."""
-    queue: FlowQueue[str] = FlowQueue(FlowConfig())
+    queue: FlowQueue[str] = FlowQueue(FlowConfig(fair_horizon_s=None))
     for number in range(20):
         queue.push(f"a{number}", flow(tenant="a"), 0.0)
         queue.push(f"b{number}", flow(tenant="b"), 0.0)
     for _ in range(20):
         waiter = queue.pop(1.0)
         assert waiter is not None
-        queue.charge(waiter.flow, 100)
+        queue.charge(waiter.flow, 100, 1.0)
     for number in range(20):
         queue.push(f"c{number}", flow(tenant="c"), 2.0)
     served: Counter[str] = Counter()
     for _ in range(15):
         waiter = queue.pop(3.0)
         assert waiter is not None
-        queue.charge(waiter.flow, 100)
+        queue.charge(waiter.flow, 100, 1.0)
         served[waiter.flow.tenant] += 1
     # Without the lift c would take all 15 (its counter 0 against a's and b's 1,000); with it they share.
     assert served["c"] <= 6 and served["a"] >= 4 and served["b"] >= 4
+
+
+def test_with_decayed_counters_a_light_tenant_goes_first_until_level() -> None:
+    queue: FlowQueue[str] = FlowQueue(FlowConfig(fair_horizon_s=30.0))
+    now = 0.0
+    for number in range(40):  # heavy is served alone for 20 s: 40 x 1,000 tokens
+        queue.push(f"h{number}", flow(tenant="heavy"), now)
+        waiter = queue.pop(now)
+        assert waiter is not None
+        queue.charge(waiter.flow, 1000, now)
+        now += 0.5
+    for number in range(10):
+        queue.push(f"h-more{number}", flow(tenant="heavy"), now)
+        queue.push(f"l{number}", flow(tenant="light"), now)
+    order = [waiter.flow.tenant for waiter in iter(lambda: queue.pop(now), None)]
+    # light has no recent use: its burst goes first while heavy's decayed use (~20k tokens) stays ahead of it.
+    assert order[:10] == ["light"] * 10
+
+
+def test_decay_forgets_old_use() -> None:
+    queue: FlowQueue[str] = FlowQueue(FlowConfig(fair_horizon_s=10.0))
+    queue.push("a", flow(tenant="a"), 0.0)
+    first = queue.pop(0.0)
+    assert first is not None
+    queue.charge(first.flow, 1_000_000, 0.0)
+    queue.push("b", flow(tenant="b"), 100.0)
+    queue.charge(flow(tenant="b"), 100, 100.0)
+    queue.push("a", flow(tenant="a"), 100.0)
+    # After ten horizons a's million tokens weigh ~45: less than b's 100, so a goes first.
+    nxt = queue.pop(100.0)
+    assert nxt is not None and nxt.flow.tenant == "a"
+    assert queue.position(queue.push("a2", flow(tenant="a"), 100.0), 100.0)["tenant_service"] < 100  # type: ignore[arg-type]
 
 
 def test_starving_requests_get_their_share_of_dispatches_and_no_more() -> None:
@@ -164,7 +196,7 @@ def test_every_waiter_leaves_exactly_once(ops: list[tuple[str, int, str]]) -> No
             popped = queue.pop(now)
             if popped is not None:
                 seen[popped.payload] += 1
-                queue.charge(popped.flow, 10 * (number % 7))
+                queue.charge(popped.flow, 10 * (number % 7), now)
         elif op == "cancel" and pushed:
             if queue.cancel(pushed[number % len(pushed)]):
                 seen[pushed[number % len(pushed)].payload] += 1

@@ -453,7 +453,7 @@ class Replay:
         if self.queue is not None:
             flow = self._flows[request.index]
             computed = request.input_length - routed.predicted_cached
-            self.queue.charge(flow, computed)
+            self.queue.charge(flow, computed, self.now)
             served = (computed + request.output_length) / flow.weight
             self._window_service[flow.tenant] = self._window_service.get(flow.tenant, 0.0) + served
         engine.model.add(
@@ -522,7 +522,7 @@ class Replay:
             record.finish = now
             self._unfinished -= 1
             if self.queue is not None:
-                self.queue.charge(self._flows[record.index], record.output_tokens)
+                self.queue.charge(self._flows[record.index], record.output_tokens, now)
         if result.events:
             if self.options.event_delay_s > 0:
                 self._push(now + self.options.event_delay_s, _KV_EVENTS, (engine, result.events))

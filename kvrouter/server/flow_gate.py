@@ -223,7 +223,7 @@ class FlowGate:
 
     def _charge(self, flow: FlowClass, tokens: float) -> None:
         if tokens > 0:
-            self.queue.charge(flow, tokens)
+            self.queue.charge(flow, tokens, self.clock())
             self.metrics.service.labels(flow.label).inc(tokens)
 
     def _busy(self, flow: FlowClass, message: str) -> RequestError:
