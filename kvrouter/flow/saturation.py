@@ -1,11 +1,14 @@
-"""When the fleet is saturated: every eligible replica has a full engine pass (or more) of prefill queued.
+"""When the fleet is saturated: every eligible replica has enough work queued to stay busy until the router hears
+of its next pass.
 
-A replica is saturated when its pending prefill — the uncached prompt tokens of requests routed there that have
-not produced a first token, as the load book counts them for kv_aware, other routers' shared load included — is at
-least `hold_passes` x `batch_tokens` (the engine's max_num_batched_tokens); or when it has `max_seqs` requests in
-flight (the engine's max_num_seqs: one more could not start, it would wait in the engine for a running request
-to end); or, where configured, when the engine reports `engine_waiting` requests or more waiting, or its KV cache
-`kv_usage` full or more (both scraped, so up to a scrape old). Below that a request goes straight through; above it on every replica, it waits in the router.
+A replica is saturated when its queued prefill — the uncached prompt tokens of requests routed there that have not
+produced a first token, as the load book counts them (other routers' shared load included), less what the policy
+estimates is already computed of the request in progress — is at least `hold_passes` x `batch_tokens` (the
+engine's max_num_batched_tokens); or when it has `max_seqs` requests in flight (the engine's max_num_seqs: one
+more could not start, it would wait in the engine for a running request to end); or, where configured, when the
+engine reports `engine_waiting` requests or more waiting, or its KV cache `kv_usage` full or more (both scraped,
+so up to a scrape old). Below that on some replica a request goes straight through; above it on every replica,
+it waits in the router.
 """
 
 from __future__ import annotations
