@@ -11,16 +11,18 @@ spirit of VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI '
 of the service it received — prompt tokens computed and tokens generated (`charge`), divided by its weight — and
 the backlogged tenant with the lowest counter is served next, first come first served within the tenant. Two
 ways to keep the counters (`fair_horizon_s`):
-- decayed (the default, 30 s): service decays exponentially with that time constant, so the counter is a
-  tenant's recent use. A tenant that used little lately (bursty, mostly idle) is served ahead of one that has
-  been taking the fleet, until their recent use is level; idle time is worth at most what decays in a horizon.
-- VTC's own (null): a tenant that becomes backlogged is lifted to the lowest counter among the band's backlogged
-  tenants, so idle time banks no credit at all, and the counters start over when the band's queue empties
-  (fairness only among the tenants waiting together). A light tenant's burst then shares equally with a heavy
-  tenant's backlog.
-On the held-out Mooncake synthetic trace with a tenant sending half of all arrivals, decayed counters cut the
-other tenants' TTFT p99 further than VTC's (docs/benchmarks.md, "Router queue"); 30 s was the most even of
-10 / 30 / 120 s there. Tenants tracked per band are capped (`max_tenants`); beyond it new ones share one.
+- VTC's own (null, the default): a tenant that becomes backlogged is lifted to the lowest counter among the
+  band's backlogged tenants, so idle time banks no credit, and the counters start over when the band's queue
+  empties (fairness among the tenants waiting together). No backlogged tenant's counter is ever more than about
+  one request's service above another's, so none waits long behind the others: the bound is why it is the default.
+  A light tenant's burst shares equally with a heavy tenant's backlog.
+- decayed (a number of seconds): service decays exponentially with that time constant, so the counter is a
+  tenant's recent use, and a tenant that used little lately goes ahead of one that has been taking the fleet
+  until their recent use is level. There is no bound the other way: a tenant whose burst was heavy waits until its
+  use has decayed below the others'. On the held-out Mooncake synthetic trace with a tenant sending half of all
+  arrivals, 30 s cut the other tenants' TTFT p99 further than VTC's; on the conversation trace one regular tenant
+  with heavy bursts then waited up to 41 s (docs/benchmarks.md, "Router queue").
+Tenants tracked per band are capped (`max_tenants`); beyond it new ones share one.
 
 Limits. A band holds at most `max_queue` waiters (`push` returns None past it: the caller answers 429), and a
 waiter is held at most its band's `ttl_s` (`expire` hands back the ones past it: 429 with Retry-After).

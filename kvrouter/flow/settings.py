@@ -14,7 +14,7 @@
       starvation_s: 10              # a request waiting this long is starving ...
       starvation_share: 0.1         # ... and every 10th dispatch goes to the oldest starving one
       fail_fast: true               # a request predicted to wait past its TTL gets its 429 at once
-      fair_horizon_s: 30            # service counts for fairness with this time constant (null: VTC)
+      fair_horizon_s: null          # null: VTC's counters; a number: service decays with that time constant
       tenant_from: [header, api_key, user]
       tenants:                      # weights for fair sharing (others weigh 1)
         team-a: {weight: 2, api_keys: ["sk-..."]}
@@ -107,7 +107,7 @@ class FlowConfig(BaseModel):
         description="Share of dispatches that go to the oldest starving request, whatever its band (no starvation).",
     )
     fair_horizon_s: float | None = Field(
-        default=30.0,
+        default=None,
         gt=0,
         description="Fair sharing over a horizon: a tenant's service decays with this time constant and the least "
         "served backlogged tenant goes next (null: VTC's counters, among the tenants waiting together).",
