@@ -181,6 +181,9 @@ async def test_flow_control_off_sends_everything_at_once(
     for task in tasks:
         assert (await task).status == 200
     assert (await (await client.get("/debug/queue")).json())["enabled"] is False
+    # Off, the priority and tenant headers are not read at all: not even a malformed one is refused.
+    odd = await client.post("/v1/completions", json=body(7), headers={"x-kvrouter-priority": "ASAP!!"})
+    assert odd.status == 200
 
 
 async def test_debug_route_says_whether_a_request_would_queue(

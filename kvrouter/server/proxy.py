@@ -250,7 +250,8 @@ class Proxy:
             raw = await self.read_body(request)
             parsed = parse_request(endpoint, raw)
             gate = self.gate
-            flow = gate.classify(request.headers, _bearer(request), parsed) if gate is not None else None
+            # With flow control off nothing reads the band or tenant: they are not checked either.
+            flow = gate.classify(request.headers, _bearer(request), parsed) if gate and gate.enabled else None
             facts = await self.router.facts(parsed)
             admission = None
             if gate is not None and flow is not None:
