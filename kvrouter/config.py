@@ -365,6 +365,16 @@ class Settings(BaseSettings):
     )
     kv_hotspot_ratio: float = Field(default=2.0, gt=0, description="Load cap: this x the fleet's mean in flight...")
     kv_hotspot_slack: float = Field(default=8.0, ge=0, description="...plus this; above it cache credit is lost.")
+    kv_cpu_tier_credit: float = Field(
+        default=0.75,
+        ge=0,
+        le=1,
+        description="Share of a cached token's prefill saved when the engine loads it from CPU memory (an offload "
+        "tier, its KV events' medium CPU); the rest counts as prefill work.",
+    )
+    kv_storage_tier_credit: float = Field(
+        default=0.25, ge=0, le=1, description="The same for a token loaded from storage (medium DISK and the like)."
+    )
     kv_tune: bool = Field(default=False, description="Tune kv_cache_weight online against measured TTFT.")
     kv_feedback: bool = Field(default=False, description="Correct the index with engine-reported cached tokens.")
     kv_survival: bool = Field(default=False, description="Credit cached blocks only if likely to survive the wait.")

@@ -47,6 +47,10 @@ class Candidate:
     """Prompt tokens kvrouter believes the engine will serve from cache (engine rule applied)."""
     load: ReplicaLoad
     weight: float = 1.0
+    cpu_tokens: int = 0
+    """The part of `cached_tokens` the engine loads from CPU memory (an offload tier), not from GPU."""
+    storage_tokens: int = 0
+    """The part it loads from storage (disk, remote store)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,10 +34,28 @@ class PromptTokenizer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """A replica's longest cached prefix of a request, in blocks, by tier (GPU first)."""
+    """A replica's longest cached prefix of a request, in blocks, by tier (GPU first).
+
+    The engine serves the leading `gpu_blocks` from GPU memory and loads the rest of `blocks` from its offload
+    tiers (vLLM asks its KV connector only for what follows the GPU prefix hit): up to `host_blocks` from CPU
+    memory, beyond that from storage."""
 
     blocks: int
     gpu_blocks: int
+    host_blocks: int | None = None
+    """Leading blocks held on GPU or in CPU memory; None: all of `blocks` (nothing only in storage)."""
+
+    def tier_blocks(self, credited: int) -> tuple[int, int, int]:
+        """The first `credited` blocks of the match split by where the engine takes them from: GPU, CPU, storage."""
+        host = self.blocks if self.host_blocks is None else self.host_blocks
+        gpu = min(credited, self.gpu_blocks)
+        cpu = max(0, min(credited, host) - gpu)
+        return gpu, cpu, max(0, credited - gpu - cpu)
+
+    def cut(self, blocks: int) -> PrefixMatch:
+        """The same match shortened to its first `blocks` blocks (an overlay trimmed it)."""
+        host = None if self.host_blocks is None else min(self.host_blocks, blocks)
+        return PrefixMatch(blocks, min(self.gpu_blocks, blocks), host)
 
 
 class PrefixLookup(Protocol):
@@ -127,6 +145,7 @@ class Router:
         result = []
         for route in routes:
             cached = 0
+            lower = (0, 0)
             if self.index is not None and facts.prompts:
                 by_replica = matches.get(route.block_size)
                 if by_replica is None:
@@ -136,7 +155,10 @@ class Router:
                 match = by_replica.get(route.name)
                 if match is not None:
                     cached = cacheable_tokens(len(facts.prompts[0]), match.blocks, route.block_size)
-            result.append(Candidate(route.name, cached, self.load.snapshot(route.name), route.weight))
+                    if match.gpu_blocks * route.block_size < cached:
+                        _, cpu, storage = match.tier_blocks(cached // route.block_size)
+                        lower = (cpu * route.block_size, storage * route.block_size)
+            result.append(Candidate(route.name, cached, self.load.snapshot(route.name), route.weight, *lower))
         return result
 
     def decide(self, facts: RoutingFacts, routes: Sequence[Route]) -> Decision:
