@@ -58,6 +58,9 @@ class RouteRequest:
     prompt_tokens: int | None
     """Exact prompt length in tokens, or None when no tokenizer is configured."""
     max_tokens: int | None = None
+    session_replica: ReplicaName | None = None
+    """The replica that served this request's session last, as a soft hint (`kvrouter.routing.sessions`): a
+    policy that weighs costs may prefer it where costs are close; one that does not ignores it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,8 @@ class CandidateScore:
 class Decision:
     chosen: ReplicaName
     candidates: tuple[CandidateScore, ...]
+    without_hint: ReplicaName | None = None
+    """What the policy alone would have chosen, when a session hint changed the choice (None: it did not)."""
 
     def score_of(self, replica: ReplicaName) -> CandidateScore | None:
         for candidate in self.candidates:

@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvrouter.openai_request import Endpoint, RequestError, parse_request
+from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
 from kvrouter.server.streaming import BodyTooLarge, read_capped
 from kvrouter.typedefs import ReplicaName
 
@@ -55,6 +55,7 @@ class StatusHost(Protocol):
     def check_admin(self, request: web.Request) -> None: ...
     def client_session(self) -> aiohttp.ClientSession: ...
     async def read_body(self, request: web.Request) -> bytes: ...
+    def session_of(self, request: web.Request, parsed: ParsedRequest) -> str | None: ...
 
 
 def _error(error: RequestError) -> web.Response:
@@ -125,17 +126,23 @@ class StatusEndpoints:
             raw = await self.proxy.read_body(request)
             endpoint = self._debug_endpoint(request, raw)
             parsed = parse_request(endpoint, raw)
+            session = self.proxy.session_of(request, parsed)
             facts = await self.proxy.router.facts(parsed)
+            facts.session = session
         except RequestError as error:
             return _error(error)
         candidates = self.proxy.replicas.routable()
         if not candidates:
             return _error(RequestError("no healthy replica is available", status=503, code="no_replica_available"))
         decision = self.proxy.router.decide(facts, [replica.route for replica in candidates])
+        sessions, clock = self.proxy.router.sessions, self.proxy.router.clock
         return web.json_response(
             {
                 "chosen": decision.chosen,
                 "policy": self.proxy.router.policy.name,
+                "session_mode": None if sessions is None else sessions.mode,
+                "session_replica": None if sessions is None else sessions.replica_of(facts.session, clock()),
+                "without_session_hint": decision.without_hint,
                 "endpoint": endpoint,
                 "prompt_tokens": facts.prompt_tokens,
                 "candidates": [
