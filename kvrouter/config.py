@@ -367,7 +367,7 @@ class Settings(BaseSettings):
     kv_hotspot_ratio: float = Field(default=2.0, gt=0, description="Load cap: this x the fleet's mean in flight...")
     kv_hotspot_slack: float = Field(default=8.0, ge=0, description="...plus this; above it cache credit is lost.")
     kv_session_bonus: float = Field(
-        default=0.1,
+        default=0.2,
         ge=0,
         description="Soft session hint (session_mode soft): the session's last replica wins when kv_aware's estimate "
         "there is within this share of the request's own prefill estimate of the best.",

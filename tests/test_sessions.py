@@ -5,19 +5,33 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvrouter.cli import main
+from kvrouter.config import Settings
+from kvrouter.loadgen.client import Replay, send
+from kvrouter.loadgen.plan import WorkloadParams
+from kvrouter.loadgen.stream import Dispatcher
+from kvrouter.loadgen.stream import RequestRecord as StreamRecord
+from kvrouter.loadgen.workloads import build_schedule
 from kvrouter.openai_request import RequestError, parse_request
 from kvrouter.policies.base import Candidate, Decision, ReplicaLoad, RouteRequest
 from kvrouter.policies.kv_aware import KvAwareConfig, KvAwarePolicy
+from kvrouter.replay.cli import replay_policy_object
+from kvrouter.replay.driver import ReplayOptions, ReplayResult, VirtualClock, replay_policy
+from kvrouter.replay.prompts import PromptCatalog
+from kvrouter.replay.trace import conversations, load_trace
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.router import Route, Router, RoutingFacts
 from kvrouter.routing.sessions import SessionTable
 from kvrouter.server.session_keys import MAX_SESSION_ID_CHARS, session_key
+from kvrouter.sim.mocker import DynamoMockerEngine
 from kvrouter.typedefs import ReplicaName, SessionMode
 from tests.conftest import ReplicaFactory, RouterFactory
+from tests.shared_data import MOONCAKE_CONVERSATION, shared
 
 A, B, C = ReplicaName("a"), ReplicaName("b"), ReplicaName("c")
 
@@ -310,3 +324,92 @@ async def test_sessions_off_reads_no_header(fake_replicas: ReplicaFactory, make_
     response = await client.post("/v1/completions", json=BODY, headers={"x-session-id": "s" * 300})
     assert response.status == 200
     assert "kvrouter_sessions_tracked" not in await (await client.get("/metrics")).text()
+
+
+# ---- replay --------------------------------------------------------------------------------------------------
+
+
+def test_conversations_are_requests_sharing_their_first_two_blocks(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 0, "input_length": 1500, "output_length": 5, "hash_ids": [0, 1, 2]},
+        {"timestamp": 10, "input_length": 2000, "output_length": 5, "hash_ids": [0, 1, 2, 3]},
+        {"timestamp": 20, "input_length": 1500, "output_length": 5, "hash_ids": [0, 4, 5]},  # same system prompt
+        {"timestamp": 30, "input_length": 300, "output_length": 5, "hash_ids": [0]},  # too short to tell
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    keys = conversations(load_trace(path))
+    assert keys[0] == keys[1] != keys[2]
+    assert 3 not in keys
+
+
+def replay_sessions(mode: SessionMode, limit: int = 600) -> ReplayResult:
+    trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=2.5, limit=limit)
+    catalog = PromptCatalog(trace_block_tokens=trace.block_tokens, block_size=64)
+    prompts = [catalog.prepare(request) for request in trace.requests]
+    clock = VirtualClock()
+    options = ReplayOptions(sessions=conversations(trace), session_mode=mode)
+    return replay_policy(
+        requests=trace.requests,
+        prompts=prompts,
+        catalog=catalog,
+        policy=replay_policy_object("kv_aware", Settings(), clock),
+        engine_factory=DynamoMockerEngine,
+        options=options,
+        clock=clock,
+    )
+
+
+def test_replay_sticky_keeps_each_conversation_on_one_engine() -> None:
+    trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=2.5, limit=600)
+    keys = conversations(trace)
+    result = replay_sessions("sticky")
+    engines: dict[str, set[str]] = {}
+    for record in result.records:
+        if record.index in keys:
+            engines.setdefault(keys[record.index], set()).add(record.replica)
+    assert all(len(used) == 1 for used in engines.values())
+    assert result.sessions["hinted_decisions"] > 0 and result.sessions["tracked"] == len(engines)
+
+
+def test_replay_soft_hints_change_some_decisions_and_off_none() -> None:
+    soft = replay_sessions("soft")
+    assert 0 < soft.sessions["changed_decisions"] <= soft.sessions["hinted_decisions"]
+    assert replay_sessions("off").sessions == {}
+
+
+def test_replay_cli_rows_per_session_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = str(shared(MOONCAKE_CONVERSATION))
+    args = ["replay", trace, "--policies", "kv_aware", "--limit", "150", "--no-floor", "--jobs", "1"]
+    assert main([*args, "--sessions", "off,soft,sticky", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [row["policy"] for row in printed["rows"]] == ["kv_aware", "kv_aware+soft", "kv_aware+sticky"]
+    assert set(printed["replay"]["sessions"]) == {"kv_aware+soft", "kv_aware+sticky"}
+    assert main([*args, "--sessions", "always"]) == 2
+
+
+def test_load_generator_sends_the_session_key_when_asked() -> None:
+    seen: list[dict[str, str]] = []
+
+    class Refused:
+        status_code = 503
+        text = "no"
+        headers: dict[str, str] = {}
+
+        def __enter__(self) -> Refused:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            return None
+
+    def post(path: str, **kwargs: Any) -> Refused:
+        seen.append(kwargs["headers"])
+        return Refused()
+
+    sessions = build_schedule("agentic", WorkloadParams(duration_s=5, rate=1, system_tokens=50, turns=2))
+    planned = sessions[0].requests[0]
+    for header in (False, True):
+        replay = Replay(Dispatcher(sessions), "m", 5.0, session_header=header)
+        send(post, replay, planned, StreamRecord(planned.label, sessions[0].key, 0, 0.0, 0.0))
+    assert "x-session-id" not in seen[0]
+    assert seen[1]["x-session-id"] == sessions[0].key == "agent-0"

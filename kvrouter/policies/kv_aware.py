@@ -55,7 +55,7 @@ last gets `session_s`: a bonus of `session_bonus` x what this request's whole pr
 (the request's own scale: a difference that small is within what the estimate cannot tell apart, so the
 session's replica wins it and keeps the conversation's history in one cache; a replica cheaper by more still
 wins). It is never given to a replica over the hot-spot cap, and never less than a nanosecond, so it wins exact
-ties. The default 0.1 was chosen on the held-out Mooncake synthetic trace (docs/benchmarks.md, "Session
+ties. The default 0.2 was chosen on the held-out Mooncake synthetic trace (docs/benchmarks.md, "Session
 affinity hints"), not on the conversation trace the figures are reported on. The decision records what the
 estimate alone would have chosen when the hint changed it (`Decision.without_hint`).
 
@@ -78,7 +78,7 @@ Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets; none comes fro
 - `kv_waiting_request_tokens` [0]: prompt tokens assumed for each request the engine reports waiting beyond the
   ones this router is prefilling there (other routers' traffic; 0 = trust this router's own accounting).
 - `kv_hotspot_ratio` [2.0] and `kv_hotspot_slack` [8]: the hot-spot load cap described above.
-- `kv_session_bonus` [0.1]: the soft session hint's bonus, a share of the request's own prefill estimate.
+- `kv_session_bonus` [0.2]: the soft session hint's bonus, a share of the request's own prefill estimate.
 - `kv_cpu_tier_credit` [0.75] and `kv_storage_tier_credit` [0.25]: the offload tiers' credit described above.
 - `kv_tune` [off]: tune `cache_weight` online against measured TTFT (`kvrouter/routing/tuning.py`: 10% of decisions
   probe the weight x1.25 and x0.75), starting from the pinned weight or 1. Off by default: on the Mooncake trace
@@ -118,7 +118,7 @@ class KvAwareConfig:
     hotspot_slack: float = 8.0
     tune: bool = False
     calibrate: bool = True
-    session_bonus: float = 0.1
+    session_bonus: float = 0.2
     """Soft session hint: the hinted replica's score is lowered by this share of the request's own prefill there."""
     cpu_tier_credit: float = 0.75
     """Share of a cached token's prefill saved when the engine loads it from CPU memory (an offload tier)."""
