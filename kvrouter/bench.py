@@ -102,6 +102,8 @@ class BenchPlan:
     quiet: bool = False
     fleet: Path | None = None
     """A replicas.yaml of replicas already running (real vLLM): every row runs against them, caches reset."""
+    session_header: bool = False
+    """Clients send their session key as x-session-id (session affinity hints)."""
 
     def locust_flags(self) -> list[str]:
         p = self.params
@@ -112,6 +114,8 @@ class BenchPlan:
                  "--kv-vocab", str(p.vocab_high)]  # fmt: skip
         if p.trace is not None:
             flags += ["--kv-trace", str(p.trace)]
+        if self.session_header:
+            flags.append("--kv-session-header")
         return flags
 
     def parameters(self) -> dict[str, Any]:
@@ -148,6 +152,7 @@ class BenchPlan:
             "users": self.users,
             "sim_args": self.sim_args,
             "router_args": self.router_args,
+            "session_header": self.session_header,
             "slo_ttft_s": self.slo_ttft_s,
             "rows": {row.name: f"{row.kind}: {row.value}" for row in self.rows},
             "command": "kvrouter " + " ".join(sys.argv[1:]),
@@ -216,6 +221,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-arg", action="append", default=[], help="Extra argument for `kvrouter sim`.")
     parser.add_argument("--router-arg", action="append", default=[], help="Extra argument for kvrouter.")
     parser.add_argument("--quiet", action="store_true", help="No progress lines.")
+    parser.add_argument(
+        "--session-header",
+        action="store_true",
+        help="Clients send each chat / agent session's key as x-session-id (set KVROUTER_SESSION_MODE to compare).",
+    )
 
 
 def _split_named(values: list[str], flag: str) -> list[tuple[str, str]]:
@@ -273,6 +283,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         profile=args.profile, time_scale=scale, users=args.users, drain_s=args.drain, slo_ttft_s=args.slo_ttft,
         tokenizer=args.tokenizer, sim_args=list(args.sim_arg), router_args=list(args.router_arg),
         target_metrics=list(args.target_metrics), quiet=args.quiet, fleet=args.fleet,
+        session_header=args.session_header,
     )  # fmt: skip
 
 

@@ -29,9 +29,10 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvrouter.flow.settings import FlowConfig
-from kvrouter.typedefs import ReplicaName
+from kvrouter.typedefs import ReplicaName, SessionMode
 
 PolicyName = Literal["round_robin", "least_loaded", "kv_aware"]
+SessionKeySource = Literal["header", "user", "both", "off"]
 POLICY_NAMES: tuple[str, ...] = ("round_robin", "least_loaded", "kv_aware")
 
 
@@ -375,9 +376,41 @@ class Settings(BaseSettings):
     )
     kv_hotspot_ratio: float = Field(default=2.0, gt=0, description="Load cap: this x the fleet's mean in flight...")
     kv_hotspot_slack: float = Field(default=8.0, ge=0, description="...plus this; above it cache credit is lost.")
+    kv_session_bonus: float = Field(
+        default=0.2,
+        ge=0,
+        description="Soft session hint (session_mode soft): the session's last replica wins when kv_aware's estimate "
+        "there is within this share of the request's own prefill estimate of the best.",
+    )
+    kv_cpu_tier_credit: float = Field(
+        default=0.75,
+        ge=0,
+        le=1,
+        description="Share of a cached token's prefill saved when the engine loads it from CPU memory (an offload "
+        "tier, its KV events' medium CPU); the rest counts as prefill work.",
+    )
+    kv_storage_tier_credit: float = Field(
+        default=0.25, ge=0, le=1, description="The same for a token loaded from storage (medium DISK and the like)."
+    )
     kv_tune: bool = Field(default=False, description="Tune kv_cache_weight online against measured TTFT.")
     kv_feedback: bool = Field(default=False, description="Correct the index with engine-reported cached tokens.")
     kv_survival: bool = Field(default=False, description="Credit cached blocks only if likely to survive the wait.")
+
+    # Session affinity hints (kvrouter/routing/sessions.py): the replica that served a session last.
+    session_key_from: SessionKeySource = Field(
+        default="both",
+        description="Where a request's session key comes from: the x-session-id header, the OpenAI `user` field, "
+        "both (the header first), or off.",
+    )
+    session_mode: SessionMode = Field(
+        default="soft",
+        description="soft: the session's last replica wins ties and small cost differences (kv_session_bonus); "
+        "sticky: always the session's replica while it is routable; off: no hints.",
+    )
+    session_max: int = Field(default=65_536, ge=1, description="Sessions remembered (least recently seen go first).")
+    session_ttl_s: float = Field(
+        default=600.0, gt=0, description="A session idle this long is forgotten (its replica has likely evicted it)."
+    )
 
     api_keys: list[str] = Field(default_factory=list, description="Accepted client Bearer keys (empty: open).")
     admin_token: str | None = Field(default=None, description="Bearer token for /admin and /debug endpoints.")

@@ -12,7 +12,8 @@ dicts (`kvrouter/blocktable_pure.py`, ~140 bytes per block). loadtest/bench_inde
 Lookup. `longest_prefixes` walks the request's keys once, in C, AND-ing each key's mask (OR over the tiers) into
 the set of sources still matching and noting where each one drops out; it stops at the first key no source
 holds. A replica's prefix is the longest over its sources (a request lands on one DP rank; a block in any tier
-of that rank counts, `gpu_blocks` counts only GPU and provisional blocks).
+of that rank counts, `gpu_blocks` counts only GPU and provisional blocks, and while any block is in the storage tier
+a second walk over GPU and CPU alone gives `host_blocks`, where the part loaded from storage starts).
 
 Provisional entries (`add_provisional`) mark a routed request's keys on its replica for `provisional_ttl_s`, so
 a burst of siblings follows the first before the engine's events arrive. The engine's `BlockStored` makes a
@@ -247,8 +248,13 @@ class PrefixIndex:
         if not keys:
             return {}
         self._expire(now)
-        lower = tuple(t for t in self._tiers[1:] if len(t))
+        cpu, storage = self._tiers[Tier.CPU], self._tiers[Tier.STORAGE]
+        lower = tuple(t for t in (cpu, storage) if len(t))
         any_lengths, gpu_lengths = self.backend.prefix_lengths(keys, self._gpu, lower)
+        host_lengths: dict[int, int] | None = None  # None: no block is only in storage, host = any tier
+        if len(storage):
+            # Where storage starts matters (it loads slower than CPU): one more walk, over GPU and CPU only.
+            host_lengths = self.backend.prefix_lengths(keys, self._gpu, (cpu,))[0] if len(cpu) else gpu_lengths
         result: dict[ReplicaName, PrefixMatch] = {}
         by_bit = self._by_bit
         matches = self._matches
@@ -260,12 +266,17 @@ class PrefixIndex:
                 continue
             replica = source.replica
             gpu_blocks = gpu_lengths.get(bit, 0)
+            host_blocks = None if host_lengths is None else host_lengths.get(bit, 0)
             best = result.get(replica)
             if best is not None:
                 blocks, gpu_blocks = max(blocks, best.blocks), max(gpu_blocks, best.gpu_blocks)
+                if host_blocks is not None:
+                    host_blocks = max(host_blocks, best.blocks if best.host_blocks is None else best.host_blocks)
+            if host_blocks is not None and host_blocks >= blocks:
+                host_blocks = None
             match = matches.get(blocks) if blocks == gpu_blocks else None
             if match is None:
-                match = PrefixMatch(blocks, gpu_blocks)
+                match = PrefixMatch(blocks, gpu_blocks, host_blocks)
                 if blocks == gpu_blocks and len(matches) < _SHARED_MATCHES:
                     matches[blocks] = match
             result[replica] = match

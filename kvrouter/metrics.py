@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvrouter.events.metrics import EventMetrics
 from kvrouter.routing.calibration import ReplicaCosts
+from kvrouter.routing.sessions import SessionTable
 
 LATENCY_BUCKETS = (
     0.005,
@@ -273,3 +274,31 @@ class CalibrationCollector(Collector):
         )
         weight.add_metric([], self.source.cache_weight)
         yield weight
+
+
+class SessionCollector(Collector):
+    """The session table's size and what its hints did, read when /metrics is scraped."""
+
+    def __init__(self, table: SessionTable) -> None:
+        self.table = table
+
+    def collect(self) -> Iterator[Metric]:
+        table = self.table
+        yield GaugeMetricFamily(
+            "kvrouter_sessions_tracked", "Sessions whose last replica this router remembers.", value=len(table)
+        )
+        counters = (
+            (
+                "hinted_decisions",
+                "Decisions made with a session hint (the session's replica was a candidate).",
+                table.hinted_decisions,
+            ),
+            (
+                "hint_changed_decisions",
+                "Decisions the session hint changed (the policy alone chose another replica).",
+                table.changed_decisions,
+            ),
+            ("evicted", "Sessions forgotten to stay within session_max.", table.evicted),
+        )
+        for name, text, value in counters:
+            yield CounterMetricFamily(f"kvrouter_session_{name}", text, value=value)

@@ -8,7 +8,7 @@ own key (`BlockKey`, chained xxh3_64 over the token ids, computed identically fo
 from __future__ import annotations
 
 import enum
-from typing import NewType
+from typing import Literal, NewType
 
 BlockKey = NewType("BlockKey", int)
 """kvrouter's chained prefix key for one full block of tokens (xxh3_64, unsigned 64-bit)."""
@@ -17,6 +17,9 @@ EngineBlockHash = NewType("EngineBlockHash", int)
 """The engine's block hash as published in KV events (uint64; bytes hashes are folded to int at decode)."""
 
 ReplicaName = NewType("ReplicaName", str)
+
+SessionMode = Literal["off", "soft", "sticky"]
+"""How a session's last replica weighs on its next request (`kvrouter.routing.sessions`)."""
 
 
 class Tier(enum.IntEnum):

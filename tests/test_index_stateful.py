@@ -91,20 +91,29 @@ class IndexVersusReference(RuleBasedStateMachine):
 
         result: dict[ReplicaName, PrefixMatch] = {}
 
-        def merge(replica: ReplicaName, blocks: int, gpu_blocks: int) -> None:
+        def merge(replica: ReplicaName, blocks: int, gpu_blocks: int, host_blocks: int) -> None:
             if blocks == 0:
                 return
-            best = result.get(replica, PrefixMatch(0, 0))
-            result[replica] = PrefixMatch(max(blocks, best.blocks), max(gpu_blocks, best.gpu_blocks))
+            best = result.get(replica, PrefixMatch(0, 0, 0))
+            host = max(host_blocks, best.blocks if best.host_blocks is None else best.host_blocks)
+            result[replica] = PrefixMatch(max(blocks, best.blocks), max(gpu_blocks, best.gpu_blocks), host)
 
         for (replica, _rank), tiers in self.held.items():
             anywhere = set().union(*tiers.values()) if tiers else set()
-            merge(replica, leading(anywhere), leading(tiers.get(Tier.GPU, set())))
+            gpu = tiers.get(Tier.GPU, set())
+            host = gpu | tiers.get(Tier.CPU, set())
+            merge(replica, leading(anywhere), leading(gpu), leading(host))
         for replica, marks in self.provisional.items():
             live = {k for k, until in marks.items() if until > self.now}
             blocks = leading(live)
-            merge(replica, blocks, blocks)
-        return result
+            merge(replica, blocks, blocks, blocks)
+        # `host_blocks` is None where no block of the match is only in storage.
+        return {
+            replica: match
+            if match.host_blocks is None or match.host_blocks < match.blocks
+            else PrefixMatch(match.blocks, match.gpu_blocks)
+            for replica, match in result.items()
+        }
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=12))
     def lookup(self, keys: list[BlockKey]) -> None:

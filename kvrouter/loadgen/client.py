@@ -24,6 +24,7 @@ from kvrouter.loadgen.workloads import WORKLOADS, build_schedule, with_overrides
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 REPLICA_HEADER = "x-kvrouter-replica"
+SESSION_HEADER = "x-session-id"
 
 Fire = Callable[..., None]
 """Locust's `events.request.fire` (keyword arguments)."""
@@ -56,6 +57,11 @@ def add_flags(parser: Any) -> None:
     group.add_argument("--kv-model", default="", help="Model name to send (default: first of /v1/models).")
     group.add_argument("--kv-records", default="", help="Write one JSON line per request to this file.")
     group.add_argument("--kv-timeout", type=float, default=900.0, help="Per-request read timeout, seconds.")
+    group.add_argument(
+        "--kv-session-header",
+        action="store_true",
+        help="Send each session's key as x-session-id (session affinity hints; chat and agent sessions).",
+    )
 
 
 def params_from_options(options: Any) -> tuple[str, WorkloadParams]:
@@ -94,6 +100,8 @@ class Replay:
     model: str
     timeout_s: float
     records: IO[str] | None = None
+    session_header: bool = False
+    """Send the session key as `x-session-id`."""
     clock: Callable[[], float] = time.monotonic
     origin: float | None = None
     completed: int = 0
@@ -105,7 +113,8 @@ class Replay:
         name, params = params_from_options(options)
         sessions = build_schedule(name, params)
         records = open(options.kv_records, "w", encoding="utf-8") if options.kv_records else None  # noqa: SIM115
-        return cls(Dispatcher(sessions), model, options.kv_timeout, records)
+        header = bool(getattr(options, "kv_session_header", False))
+        return cls(Dispatcher(sessions), model, options.kv_timeout, records, session_header=header)
 
     def now(self) -> float:
         """Seconds since the first user asked for work (the schedule's time zero)."""
@@ -141,11 +150,14 @@ def send(
     payload = json.dumps(body, separators=(",", ":")).encode()
     started = replay.clock()
     timer = StreamTimer(started)
+    request_headers = {"content-type": "application/json", "accept": "text/event-stream"}
+    if replay.session_header:
+        request_headers[SESSION_HEADER] = record.session
     try:
         with post(
             PATHS[planned.endpoint],
             data=payload,
-            headers={"content-type": "application/json", "accept": "text/event-stream"},
+            headers=request_headers,
             stream=True,
             timeout=(10.0, replay.timeout_s),
             **_locust_kwargs(post, planned.label),

@@ -47,6 +47,10 @@ class Candidate:
     """Prompt tokens kvrouter believes the engine will serve from cache (engine rule applied)."""
     load: ReplicaLoad
     weight: float = 1.0
+    cpu_tokens: int = 0
+    """The part of `cached_tokens` the engine loads from CPU memory (an offload tier), not from GPU."""
+    storage_tokens: int = 0
+    """The part it loads from storage (disk, remote store)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,9 @@ class RouteRequest:
     prompt_tokens: int | None
     """Exact prompt length in tokens, or None when no tokenizer is configured."""
     max_tokens: int | None = None
+    session_replica: ReplicaName | None = None
+    """The replica that served this request's session last, as a soft hint (`kvrouter.routing.sessions`): a
+    policy that weighs costs may prefer it where costs are close; one that does not ignores it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +76,8 @@ class CandidateScore:
 class Decision:
     chosen: ReplicaName
     candidates: tuple[CandidateScore, ...]
+    without_hint: ReplicaName | None = None
+    """What the policy alone would have chosen, when a session hint changed the choice (None: it did not)."""
 
     def score_of(self, replica: ReplicaName) -> CandidateScore | None:
         for candidate in self.candidates:

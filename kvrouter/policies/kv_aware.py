@@ -11,7 +11,8 @@ that replica's own costs (`ReplicaCosts`: prefill rate R, fixed pass cost p, pas
     ttft_s       = work / R + short * p + passes * d * decoding requests there      (the estimate)
     token_s      = 1 / R + d * decoding requests there / batch_tokens               (one more prompt token's cost)
     affinity_s   = (cache_weight - 1) * cached tokens credited * token_s
-    score        = ttft_s - affinity_s
+    session_s    = session_bonus * prompt tokens * token_s     (only on the replica a soft session hint names)
+    score        = ttft_s - affinity_s - session_s
 
 and picks the lowest score; exact ties go to the replica with fewer requests in flight (per unit of weight),
 then rotate. The engines run prefills first-come-first-served in passes of at most `batch_tokens` prompt tokens,
@@ -40,6 +41,24 @@ engines prefill first-come-first-served): the oldest request still pending is th
 of it computed since it started — elapsed time x the replica's effective prefill rate, never all of it — is
 taken off the queue. Without such history (another router's traffic, a restart) the queue counts in full.
 
+Offload tiers. A cached block the engine holds only in CPU memory or in storage (its KV events' `medium`; vLLM
+serves the GPU prefix hit and has its KV connector load what follows) is not a GPU hit: loading it costs time,
+less than computing it. Such a token is credited at `cpu_tier_credit` / `storage_tier_credit` of a GPU-cached one
+(0.75 / 0.25 by default, the weights NVIDIA Dynamo's KV router gives host-memory and disk overlap: a copy from
+host memory over PCIe saves most of a recompute, a read from disk is slower again and saves less; no trace here
+has offloaded blocks to measure them on, so they are a starting point, not a fit). The rest, (1 - credit) x
+tokens, counts as prefill work (`tier_load_tokens` in the breakdown, beside the GPU / CPU / storage split), and
+calibration sees it as work too.
+
+Session hints (`kvrouter.routing.sessions`, `session_mode` soft). The replica that served the request's session
+last gets `session_s`: a bonus of `session_bonus` x what this request's whole prompt would cost to prefill there
+(the request's own scale: a difference that small is within what the estimate cannot tell apart, so the
+session's replica wins it and keeps the conversation's history in one cache; a replica cheaper by more still
+wins). It is never given to a replica over the hot-spot cap, and never less than a nanosecond, so it wins exact
+ties. The default 0.2 was chosen on the held-out Mooncake synthetic trace (docs/benchmarks.md, "Session
+affinity hints"), not on the conversation trace the figures are reported on. The decision records what the
+estimate alone would have chosen when the hint changed it (`Decision.without_hint`).
+
 Hot-spot guard, per replica: a replica whose requests in flight exceed `hotspot_ratio` x the fleet's mean
 (per unit of weight) plus `hotspot_slack` loses its cache credit for this request, so a popular prefix cannot pile
 every request onto one replica; other replicas keep their credit and other requests still follow their prefixes.
@@ -59,6 +78,8 @@ Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets; none comes fro
 - `kv_waiting_request_tokens` [0]: prompt tokens assumed for each request the engine reports waiting beyond the
   ones this router is prefilling there (other routers' traffic; 0 = trust this router's own accounting).
 - `kv_hotspot_ratio` [2.0] and `kv_hotspot_slack` [8]: the hot-spot load cap described above.
+- `kv_session_bonus` [0.2]: the soft session hint's bonus, a share of the request's own prefill estimate.
+- `kv_cpu_tier_credit` [0.75] and `kv_storage_tier_credit` [0.25]: the offload tiers' credit described above.
 - `kv_tune` [off]: tune `cache_weight` online against measured TTFT (`kvrouter/routing/tuning.py`: 10% of decisions
   probe the weight x1.25 and x0.75), starting from the pinned weight or 1. Off by default: on the Mooncake trace
   it did not beat a fixed weight (docs/benchmarks.md, "Beyond kv_aware").
@@ -77,6 +98,9 @@ from kvrouter.routing.calibration import CostCalibrator, Observation, ReplicaCos
 from kvrouter.routing.tuning import WeightTuner
 from kvrouter.typedefs import ReplicaName
 
+_TIE_S = 1e-9
+"""The least bonus a soft session hint carries: it wins exact ties even without a prompt length to scale by."""
+
 REUSE_HORIZON = 2000
 """Decisions over which the reuse ratio's token sums decay (by 1/e): a memory of minutes of traffic."""
 
@@ -94,6 +118,12 @@ class KvAwareConfig:
     hotspot_slack: float = 8.0
     tune: bool = False
     calibrate: bool = True
+    session_bonus: float = 0.2
+    """Soft session hint: the hinted replica's score is lowered by this share of the request's own prefill there."""
+    cpu_tier_credit: float = 0.75
+    """Share of a cached token's prefill saved when the engine loads it from CPU memory (an offload tier)."""
+    storage_tier_credit: float = 0.25
+    """The same for a token loaded from storage (disk, a remote store)."""
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.batch_tokens <= 0:
@@ -103,6 +133,10 @@ class KvAwareConfig:
             raise ValueError("decode costs, waiting_request_tokens and cache_weight must not be negative")
         if self.hotspot_ratio <= 0 or self.hotspot_slack < 0:
             raise ValueError("hotspot_ratio must be positive and hotspot_slack not negative")
+        if self.session_bonus < 0:
+            raise ValueError("session_bonus must not be negative")
+        if not (0 <= self.cpu_tier_credit <= 1 and 0 <= self.storage_tier_credit <= 1):
+            raise ValueError("cpu_tier_credit and storage_tier_credit must be between 0 and 1")
 
 
 @dataclass(slots=True)
@@ -202,7 +236,14 @@ class KvAwarePolicy:
         prompt = request.prompt_tokens or 0
         relative_load = load.in_flight / candidate.weight
         hot = relative_load > cap
-        credit = 0 if hot else min(candidate.cached_tokens, prompt)
+        credit: float = 0 if hot else min(candidate.cached_tokens, prompt)
+        # Blocks in an offload tier are cached but not free: loading them costs the part of their prefill the
+        # tier's credit does not save, counted as that many tokens of work.
+        tier_load = 0.0
+        if not hot and (candidate.cpu_tokens or candidate.storage_tokens):
+            tier_load = (1.0 - config.cpu_tier_credit) * candidate.cpu_tokens
+            tier_load += (1.0 - config.storage_tier_credit) * candidate.storage_tokens
+            credit -= tier_load
         uncached = prompt - credit
         decode_pass_s = costs.decode_s_per_request * load.decode_requests
         token_s = 1.0 / rate + decode_pass_s / config.batch_tokens
@@ -218,10 +259,17 @@ class KvAwarePolicy:
         decode_s = short * costs.pass_s + passes * decode_pass_s
         ttft_s = prefill_s + decode_s
         affinity_s = (cache_weight - 1.0) * credit * token_s
-        score = ttft_s - affinity_s
+        session_s = 0.0
+        if request.session_replica == candidate.replica and not hot:
+            session_s = config.session_bonus * prompt * token_s + _TIE_S
+        score = ttft_s - affinity_s - session_s
         breakdown = {
             "cached_tokens": float(candidate.cached_tokens),
             "cache_credit_tokens": float(credit),
+            "gpu_cached_tokens": float(candidate.cached_tokens - candidate.cpu_tokens - candidate.storage_tokens),
+            "cpu_cached_tokens": float(candidate.cpu_tokens),
+            "storage_cached_tokens": float(candidate.storage_tokens),
+            "tier_load_tokens": tier_load,
             "uncached_tokens": float(uncached),
             "pending_prefill_tokens": float(load.pending_prefill_tokens),
             "peer_pending_prefill_tokens": float(load.peer_pending_prefill_tokens),
@@ -233,6 +281,7 @@ class KvAwarePolicy:
             "decode_s": decode_s,
             "ttft_estimate_s": ttft_s,
             "affinity_s": affinity_s,
+            "session_bonus_s": session_s,
             "in_flight": float(load.in_flight),
             "decode_requests": float(load.decode_requests),
             "load_cap": cap,
@@ -278,7 +327,14 @@ class KvAwarePolicy:
             scores.append(scored)
             relative_load = candidate.load.in_flight / candidate.weight
             ranked.append((scored.score, relative_load, (position - self._turn) % count, candidate.replica))
-        return Decision(min(ranked)[3], tuple(scores))
+        chosen = min(ranked)[3]
+        without_hint = None
+        if request.session_replica == chosen:
+            # What the estimate alone would pick: the same ranking with the hint's bonus given back.
+            bonus = {s.replica: s.breakdown["session_bonus_s"] for s in scores}
+            alone = min((entry[0] + bonus[entry[3]], *entry[1:]) for entry in ranked)[3]
+            without_hint = alone if alone != chosen else None
+        return Decision(chosen, tuple(scores), without_hint=without_hint)
 
     def observe_ttft(self, used_weight: float, ttft_s: float, prompt_tokens: int) -> None:
         """A request this policy routed with cache weight `used_weight` (its breakdown's) got its first token."""
@@ -295,6 +351,7 @@ class KvAwarePolicy:
             # The work the engine does before this first token: the queue ahead and what it computes of this prompt
             # (the index's prediction, whatever credit the hot-spot guard withheld).
             work = breakdown["queued_prefill_tokens"] + max(0.0, breakdown["prompt_tokens"] - chosen.cached_tokens)
+            work += breakdown.get("tier_load_tokens", 0.0)  # loading offloaded blocks, in tokens of prefill
             batch = self.config.batch_tokens
             observation = Observation(
                 work, max(0.0, 1.0 - work / batch), max(1.0, work / batch), breakdown["decode_requests"], ttft_s

@@ -9,6 +9,9 @@ prompts and fresh engines, so rows differ only by routing.
 Several routers (`kvrouter.replay.routers`): `--routers 4 --spread random --share-delay-ms off,0,10,50,200` replays
 each policy through four router instances, once per sharing setting (`off`: each counts only its own load), one
 row each, labelled `<policy>@k4-share<ms>` or `<policy>@k4-unshared`.
+
+Session hints: `--sessions off,soft,sticky` replays each policy once per mode, the trace's conversations as
+sessions (`kvrouter.replay.trace.conversations`), labelled `<policy>`, `<policy>+soft`, `<policy>+sticky`.
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ from kvrouter.replay.prompts import PromptCatalog
 from kvrouter.replay.report import summarize, table, write_outputs
 from kvrouter.replay.routers import RouterSpread
 from kvrouter.replay.tenancy import Tenancy, assign
-from kvrouter.replay.trace import TraceError, load_trace, unshared
+from kvrouter.replay.trace import TraceError, conversations, load_trace, unshared
+from kvrouter.routing.sessions import SESSION_MODES
 from kvrouter.sim.model import EngineModel
 from kvrouter.sim.profiles import build_engine, get_profile
+from kvrouter.typedefs import SessionMode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +117,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noisy-share", type=float, default=0.0, help="A tenant `noisy` sends this share of arrivals.")
     parser.add_argument(
         "--priority-share", type=float, default=0.0, help="Share of requests in the most urgent band (high)."
+    )
+    parser.add_argument(
+        "--sessions",
+        default="off",
+        help="Session hints, conversations as sessions (requests sharing their first two trace blocks): off, soft, "
+        "sticky, or a comma list for one row each (`<policy>+soft`, `<policy>+sticky`).",
     )
     parser.add_argument("--json", action="store_true", help="Print report.json's rows instead of the table.")
     parser.add_argument(
@@ -190,8 +201,19 @@ def share_delays(text: str) -> list[float | None]:
     return delays
 
 
-def row_label(policy: str, spread: RouterSpread, flow: FlowConfig | None = None) -> str:
-    queue = "" if flow is None else "+queue"
+def session_modes(text: str) -> list[SessionMode]:
+    """`off,soft,sticky` -> the modes, in order."""
+    modes: list[SessionMode] = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item not in SESSION_MODES:
+            raise ConfigError(f"--sessions: expected some of {', '.join(SESSION_MODES)}, got {text!r}")
+        modes.append(item)
+    return modes
+
+
+def row_label(policy: str, spread: RouterSpread, flow: FlowConfig | None = None, session: str = "off") -> str:
+    queue = ("" if flow is None else "+queue") + ("" if session == "off" else f"+{session}")
     if spread.routers == 1:
         return policy + queue
     delay = spread.share_delay_s
@@ -251,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         tenancy = Tenancy(args.tenants, args.noisy_share, args.priority_share, seed=args.seed)
         assigned = assign(trace, tenancy)
         trace = assigned.trace
+        modes = session_modes(args.sessions)
     except (ConfigError, ValueError, TraceError, OSError) as error:
         print(f"kvrouter replay: {error}", file=sys.stderr)
         return 2
@@ -285,10 +308,13 @@ def run(args: argparse.Namespace) -> int:
         batch_tokens=settings.kv_batch_tokens,
         tenants=assigned.tenant if tenancy.active else None,
         urgent=assigned.urgent,
+        sessions=conversations(trace) if any(mode != "off" for mode in modes) else None,
+        session_ttl_s=settings.session_ttl_s,
+        session_max=settings.session_max,
     )
     floors = None if args.no_floor else floor_ttfts(trace.requests, prompts, engine_factory)
 
-    def job_for(name: str, spread: RouterSpread, flow: FlowConfig | None) -> Job:
+    def job_for(name: str, spread: RouterSpread, flow: FlowConfig | None, mode: SessionMode = "off") -> Job:
         def job() -> tuple[ReplayResult, float]:
             began = time.process_time()
             clock = VirtualClock()
@@ -298,17 +324,17 @@ def run(args: argparse.Namespace) -> int:
                 catalog=catalog,
                 policy=replay_policy_object(name, settings, clock),
                 engine_factory=engines,
-                options=dataclasses.replace(options, routers=spread, flow=flow),
+                options=dataclasses.replace(options, routers=spread, flow=flow, session_mode=mode),
                 clock=clock,
                 policy_factory=lambda: replay_policy_object(name, settings, clock),
             )
-            result.policy = row_label(name, spread, flow)
+            result.policy = row_label(name, spread, flow, mode)
             return result, time.process_time() - began
 
         return job
 
-    rows = [(name, spread, flow) for name in policies for spread in spreads for flow in flows]
-    outcomes = run_jobs([job_for(name, spread, flow) for name, spread, flow in rows], args.jobs)
+    rows = [(n, s, f, m) for n in policies for s in spreads for f in flows for m in modes]
+    outcomes = run_jobs([job_for(name, spread, flow, mode) for name, spread, flow, mode in rows], args.jobs)
     results = [result for result, _ in outcomes]
     timings = {result.policy: seconds for result, seconds in outcomes}
     summaries = [summarize(result, floors) for result in results]
@@ -333,6 +359,7 @@ def run(args: argparse.Namespace) -> int:
         "prepare_s": round(prepared_s, 3),
         "replay_cpu_s": {name: round(seconds, 3) for name, seconds in timings.items()},
         "warmups": {result.policy: result.warmups for result in results},
+        "sessions": {result.policy: result.sessions for result in results if result.sessions},
         "wall_s": round(time.perf_counter() - started, 3),
     }
     if args.json:

@@ -19,6 +19,7 @@ sends the warm-ups `HotPrefixReplicator` (kvrouter/routing/replication.py) asks 
 `drain_at_s` takes the last engine out of routing at that time (it finishes what it has), after warming its
 `drain_warm` hottest prefixes on the others. A warm-up is a 1-token request carrying the prefix: it counts in
 the load book and marks provisional entries like a routed request, and is left out of the results.
+`sessions` gives requests session keys (`session_mode` soft or sticky: the live router's session hints).
 `lost_removals` drops that share of the first engine's `BlockRemoved` events on their way to the router (a lossy
 event path: its index keeps blocks the engine no longer has)."""
 
@@ -45,9 +46,10 @@ from kvrouter.routing.load import EngineGauges, LoadBook, Ticket
 from kvrouter.routing.overlays import build_overlays
 from kvrouter.routing.replication import HotPrefixReplicator, PrefixHeat
 from kvrouter.routing.router import Route, Router, RoutingFacts
+from kvrouter.routing.sessions import SessionTable
 from kvrouter.routing.survival import SurvivalLookup
 from kvrouter.sim.model import CacheCleared, EngineModel, EngineRequest, KvEvent, RemovedBlocks, StepResult
-from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName
+from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, SessionMode
 
 EngineFactory = Callable[[], EngineModel]
 """Builds one simulated engine; `Replay` takes one for every engine alike, or one per engine (a mixed fleet)."""
@@ -89,6 +91,12 @@ class ReplayOptions:
     fairness_window_s: float = 10.0
     """Window of the service-share fairness measure (`ReplayResult.fairness`): long against one request's service
     (a 100k-token prompt is a dozen engine passes), or a single large prompt decides the window."""
+    sessions: Mapping[int, str] | None = None
+    """Session key per trace index (`kvrouter.replay.trace.conversations`); None: no request has one."""
+    session_mode: SessionMode = "off"
+    """How a session's last replica weighs on its next request (`kvrouter.routing.sessions`)."""
+    session_ttl_s: float = 600.0
+    session_max: int = 65_536
 
 
 @dataclass(slots=True)
@@ -129,6 +137,8 @@ class ReplayResult:
     warmups: int = 0
     fairness: list[float] = field(default_factory=list)
     """Jain's index of weighted service among the tenants backlogged through each fairness window (2 or more)."""
+    sessions: dict[str, int] = field(default_factory=dict)
+    """The first router's session table at the end: tracked, hinted and changed decisions (empty without hints)."""
 
 
 @dataclass(slots=True)
@@ -262,12 +272,19 @@ class Replay:
             survival=self.options.survival,
             prefill_tokens_per_s=self.options.prefill_tokens_per_s,
         )
+        options = self.options
+        sessions = None
+        if options.session_mode != "off" and options.sessions:
+            sessions = SessionTable(
+                mode=options.session_mode, max_sessions=options.session_max, ttl_s=options.session_ttl_s
+            )
         router = Router(
             policy=policy,
             load=load,
             index=overlays.lookup,
             hash_seed=self.options.hash_seed,
             listeners=overlays.request_listeners,
+            sessions=sessions,
             clock=self.clock,
         )
         return RouterInstance(
@@ -323,6 +340,13 @@ class Replay:
         result.passes = sum(engine.passes for engine in self.engines)
         result.end_time = self.now
         result.warmups = len(self.warmups)
+        table = self.router.sessions
+        if table is not None:
+            result.sessions = {
+                "tracked": len(table),
+                "hinted_decisions": table.hinted_decisions,
+                "changed_decisions": table.changed_decisions,
+            }
         return result
 
     # -- handlers --------------------------------------------------------------------------------------------
@@ -426,6 +450,7 @@ class Replay:
         facts = RoutingFacts(
             [cast(list[int], SizedPrompt(self.catalog, request))],
             max_tokens=request.output_length,
+            session=None if self.options.sessions is None else self.options.sessions.get(request.index),
             _keys={block_size: prepared.keys},
         )
         instance = self.instances[self._spreader.pick()]

@@ -98,12 +98,21 @@ def unshared(trace: Trace) -> Trace:
     return Trace(tuple(requests), trace.block_tokens, trace.source)
 
 
+def conversations(trace: Trace) -> dict[int, str]:
+    """A session key per request, for session hints: requests whose first two chained blocks match belong to one
+    conversation (in Mooncake's conversation trace a turn's prompt starts with the history before it, so the turns
+    of one chat share their leading blocks; two blocks, not one, so a bare shared system prompt does not merge
+    chats). A request of fewer than two blocks has none."""
+    return {r.index: f"c{r.chain[0]}.{r.chain[1]}" for r in trace.requests if len(r.chain) >= 2}
+
+
 __all__ = [
     "GMI_BLOCK_TOKENS",
     "MOONCAKE_BLOCK_TOKENS",
     "Trace",
     "TraceError",
     "TraceRequest",
+    "conversations",
     "load_trace",
     "unshared",
 ]

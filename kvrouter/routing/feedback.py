@@ -89,7 +89,7 @@ class FeedbackLookup:
             if blocks == match.blocks:
                 result[replica] = match
             elif blocks > 0:
-                result[replica] = PrefixMatch(blocks, min(match.gpu_blocks, blocks))
+                result[replica] = match.cut(blocks)
         return result
 
     def add_provisional(self, replica: ReplicaName, keys: Sequence[BlockKey], now: float) -> None:

@@ -1,21 +1,23 @@
 """The routing core shared by the live proxy and virtual-time replay: one implementation, two clocks.
 
 `Router.facts` turns a parsed request into `RoutingFacts` (exact token ids, off the event loop, via the
-`PromptTokenizer`); `Router.decide` asks the prefix index how much of the prompt each candidate holds, applies
-the engine's cached-token rule, reads each replica's load from the `LoadBook` and lets the policy choose — with
-no side effects, so `/debug/route` can call it; `Router.commit` acts on a decision: the policy's state moves,
-the request's blocks become provisional entries on the chosen replica, the load book gets a ticket, and the
-caller gets a `Routed` handle (`kvrouter.routing.lifecycle`) that carries the rest of the request's life — first token,
-the engine's cached-token report, finish — to the load book, the policy and the request listeners (the learning
-overlays built by `kvrouter.routing.overlays`). The clock is a parameter (`time.monotonic` live, the virtual clock in
-replay).
+`PromptTokenizer`); `Router.decide` asks the prefix index how much of the prompt each candidate holds (and in which
+tier), applies the engine's cached-token rule, reads each replica's load from the `LoadBook`, looks up the replica
+that served the request's session last (`kvrouter.routing.sessions`: a soft hint for the policy, or the choice
+itself in sticky mode) and lets the policy choose — with no side effects, so `/debug/route` can call it;
+`Router.commit` acts on a decision: the policy's state moves, the session table remembers the replica, the
+request's blocks become provisional entries on the chosen replica, the load book gets a ticket, and the caller gets
+a `Routed` handle (`kvrouter.routing.lifecycle`) that carries the rest of the request's life — first token, the
+engine's cached-token report, finish — to the load book, the policy and the request listeners (the learning
+overlays built by `kvrouter.routing.overlays`). The clock is a parameter (`time.monotonic` live, the virtual clock
+in replay).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvrouter.blocks import cacheable_tokens, chain_keys
@@ -23,6 +25,7 @@ from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
 from kvrouter.routing.lifecycle import RequestListener, Routed
 from kvrouter.routing.load import LoadBook
+from kvrouter.routing.sessions import SessionTable
 from kvrouter.typedefs import BlockKey, ReplicaName, Tier
 
 
@@ -34,10 +37,28 @@ class PromptTokenizer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """A replica's longest cached prefix of a request, in blocks, by tier (GPU first)."""
+    """A replica's longest cached prefix of a request, in blocks, by tier (GPU first).
+
+    The engine serves the leading `gpu_blocks` from GPU memory and loads the rest of `blocks` from its offload
+    tiers (vLLM asks its KV connector only for what follows the GPU prefix hit): up to `host_blocks` from CPU
+    memory, beyond that from storage."""
 
     blocks: int
     gpu_blocks: int
+    host_blocks: int | None = None
+    """Leading blocks held on GPU or in CPU memory; None: all of `blocks` (nothing only in storage)."""
+
+    def tier_blocks(self, credited: int) -> tuple[int, int, int]:
+        """The first `credited` blocks of the match split by where the engine takes them from: GPU, CPU, storage."""
+        host = self.blocks if self.host_blocks is None else self.host_blocks
+        gpu = min(credited, self.gpu_blocks)
+        cpu = max(0, min(credited, host) - gpu)
+        return gpu, cpu, max(0, credited - gpu - cpu)
+
+    def cut(self, blocks: int) -> PrefixMatch:
+        """The same match shortened to its first `blocks` blocks (an overlay trimmed it)."""
+        host = None if self.host_blocks is None else min(self.host_blocks, blocks)
+        return PrefixMatch(blocks, min(self.gpu_blocks, blocks), host)
 
 
 class PrefixLookup(Protocol):
@@ -66,6 +87,8 @@ class RoutingFacts:
     lora: str | None = None
     cache_salt: str | None = None
     max_tokens: int | None = None
+    session: str | None = None
+    """The request's session key (`kvrouter.server.session_keys`), when it has one."""
     _keys: dict[int, list[BlockKey]] = field(default_factory=dict)
 
     @property
@@ -96,9 +119,11 @@ class Router:
         hash_seed: int = 0,
         lora_adapters: Iterable[str] = (),
         listeners: Sequence[RequestListener] = (),
+        sessions: SessionTable | None = None,
         clock: Callable[[], float],
     ) -> None:
         self.policy = policy
+        self.sessions = sessions
         self.load = load
         self.index = index
         self.tokenizer = tokenizer
@@ -131,6 +156,7 @@ class Router:
         result = []
         for route in routes:
             cached = 0
+            lower = (0, 0)
             if self.index is not None and facts.prompts:
                 by_replica = matches.get(route.block_size)
                 if by_replica is None:
@@ -140,18 +166,49 @@ class Router:
                 match = by_replica.get(route.name)
                 if match is not None:
                     cached = cacheable_tokens(len(facts.prompts[0]), match.blocks, route.block_size)
-            result.append(Candidate(route.name, cached, self.load.snapshot(route.name), route.weight))
+                    if match.gpu_blocks * route.block_size < cached:
+                        _, cpu, storage = match.tier_blocks(cached // route.block_size)
+                        lower = (cpu * route.block_size, storage * route.block_size)
+            result.append(Candidate(route.name, cached, self.load.snapshot(route.name), route.weight, *lower))
         return result
 
     def decide(self, facts: RoutingFacts, routes: Sequence[Route]) -> Decision:
         """Choose among `routes` (non-empty). No side effects."""
-        request = RouteRequest(prompt_tokens=facts.prompt_tokens, max_tokens=facts.max_tokens)
-        return self.policy.select(request, self.candidates(facts, routes))
+        hinted = self._hint(facts, routes)
+        sticky = self.sessions is not None and self.sessions.mode == "sticky"
+        request = RouteRequest(
+            prompt_tokens=facts.prompt_tokens,
+            max_tokens=facts.max_tokens,
+            session_replica=None if sticky else hinted,
+        )
+        decision = self.policy.select(request, self.candidates(facts, routes))
+        if sticky and hinted is not None:
+            # Strict stickiness: the session's replica while it is routable, whatever the policy thinks of it.
+            candidates = tuple(
+                replace(c, breakdown={**c.breakdown, "session_sticky": 1.0}) if c.replica == hinted else c
+                for c in decision.candidates
+            )
+            alone = decision.chosen if decision.chosen != hinted else None
+            decision = Decision(hinted, candidates, without_hint=alone)
+        return decision
+
+    def _hint(self, facts: RoutingFacts, routes: Sequence[Route]) -> ReplicaName | None:
+        """The replica that served the request's session last, if it is among `routes`."""
+        if self.sessions is None or facts.session is None:
+            return None
+        replica = self.sessions.replica_of(facts.session, self.clock())
+        return replica if replica is not None and any(route.name == replica for route in routes) else None
 
     def commit(self, decision: Decision, facts: RoutingFacts, route: Route, *, arrival: float | None = None) -> Routed:
         """Act on `decision` for `route` (its chosen replica); `arrival` (default: now) is when the request came."""
         now = self.clock()
         self.policy.record(decision)
+        sessions = self.sessions
+        if sessions is not None and facts.session is not None:
+            hinted = sessions.replica_of(facts.session, now)
+            had_hint = hinted is not None and decision.score_of(hinted) is not None
+            sessions.count(hinted=had_hint, changed=decision.without_hint is not None)
+            sessions.remember(facts.session, route.name, now)
         chosen = decision.score_of(decision.chosen)
         cached = chosen.cached_tokens if chosen is not None else 0
         prompt_tokens = facts.prompt_tokens or 0

@@ -81,7 +81,7 @@ class SurvivalLookup:
             else:
                 self.trimmed += 1
                 if blocks > 0:
-                    result[replica] = PrefixMatch(blocks, min(match.gpu_blocks, blocks))
+                    result[replica] = match.cut(blocks)
         return result
 
     def add_provisional(self, replica: ReplicaName, keys: Sequence[BlockKey], now: float) -> None:

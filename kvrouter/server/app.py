@@ -34,7 +34,7 @@ from kvrouter.config import ConfigError, FleetConfig, Settings
 from kvrouter.events.embedded import EmbeddedEvents
 from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import CountingIndexWriter
-from kvrouter.metrics import CalibrationCollector, CostSource, RouterMetrics
+from kvrouter.metrics import CalibrationCollector, CostSource, RouterMetrics, SessionCollector
 from kvrouter.policies import build_policy
 from kvrouter.redisplane.loadplane import LoadPlaneCollector, RedisLoadPlane, build_load_plane, instance_name
 from kvrouter.redisplane.wiring import build_follower
@@ -43,6 +43,7 @@ from kvrouter.routing.load import LoadBook
 from kvrouter.routing.overlays import overlays_from_settings
 from kvrouter.routing.quality import RoutingQuality, SaturationConfig
 from kvrouter.routing.router import PrefixLookup, PromptTokenizer, Router
+from kvrouter.routing.sessions import SessionTable
 from kvrouter.routing.sharing import LoadShare, ShareLimits
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
 from kvrouter.server.flow_gate import FlowGate
@@ -208,6 +209,12 @@ def create_app(
             metrics.registry.register(LoadPlaneCollector(plane))
         prefix.contexts.append(plane.context)
     policy = build_policy(settings.policy, settings, clock=clock)
+    sessions = None
+    if settings.session_mode != "off" and settings.session_key_from != "off":
+        sessions = SessionTable(
+            mode=settings.session_mode, max_sessions=settings.session_max, ttl_s=settings.session_ttl_s
+        )
+        metrics.registry.register(SessionCollector(sessions))
     router = Router(
         policy=policy,
         load=load,
@@ -216,6 +223,7 @@ def create_app(
         hash_seed=fleet.hash_seed,
         lora_adapters=fleet.lora_adapters,
         listeners=[*prefix.request_listeners, quality, *([share] if share is not None else [])],
+        sessions=sessions,
         clock=clock,
     )
     cost_source = policy if isinstance(policy, CostSource) else None
@@ -224,7 +232,7 @@ def create_app(
         metrics.registry.register(collector)
     saturation = SaturationConfig(settings.kv_prefill_tokens_per_s, settings.saturation_queue_s)
     metrics.registry.register(QualityCollector(quality, replicas, load, saturation, costs=cost_source))
-    forget = forget_replica(prefix.index, prefix.event_listeners, clock)
+    forget = forget_replica(prefix.index, prefix.event_listeners, clock, sessions)
     replicas.on_gone = forget
     flow = fleet.flow
     if settings.flow_control is not None:
@@ -272,10 +280,13 @@ def create_app(
 
 
 def forget_replica(
-    index: CountingIndexWriter | None, listeners: Sequence[EventListener], clock: Callable[[], float]
+    index: CountingIndexWriter | None,
+    listeners: Sequence[EventListener],
+    clock: Callable[[], float],
+    sessions: SessionTable | None = None,
 ) -> Callable[[ReplicaName], None]:
     """A replica's cache is gone (it refused a connection: its engine is down; or it left the fleet): its blocks
-    leave the index and every overlay forgets what it learnt about it."""
+    leave the index, every overlay forgets what it learnt about it and its sessions are free to go elsewhere."""
 
     def forget(replica: ReplicaName) -> None:
         if index is not None:
@@ -285,6 +296,8 @@ def forget_replica(
                 )
             index.clear(replica)
         tell_cleared(listeners, replica, clock())
+        if sessions is not None:
+            sessions.forget(replica)
 
     return forget
 

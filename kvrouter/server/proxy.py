@@ -15,6 +15,9 @@ policy (kv_tune) and the learning overlays (kv_feedback) hear it from there. A c
 handler (the server runs with handler cancellation), which closes the upstream connection at once so the engine
 stops generating.
 
+A request's session key (`x-session-id` or `user`, `session_key_from`) travels in its routing facts: the session's
+last replica is a hint for the policy (`kvrouter.routing.sessions`); a malformed `x-session-id` is a 400.
+
 Hostile input stops at the edge: a request target that is not origin-form (`OPTIONS *`, `GET http://host/x`)
 gets a 400 before any replica is involved, and nothing that fails while building an upstream request is charged
 to a replica. Redirects from replicas are never followed (a 3xx is a bad answer, retried elsewhere).
@@ -61,6 +64,7 @@ from kvrouter.server.assembly import (
 from kvrouter.server.flow_gate import Admission, FlowGate
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
 from kvrouter.server.request_ids import RequestIds
+from kvrouter.server.session_keys import SESSION_HEADER, session_key
 from kvrouter.server.status import StatusEndpoints
 from kvrouter.server.streaming import (
     REDIRECTS,
@@ -220,6 +224,12 @@ class Proxy:
                 "admin token required", status=401, code="invalid_admin_token", type_="authentication_error"
             )
 
+    def session_of(self, request: web.Request, parsed: ParsedRequest) -> str | None:
+        """The request's session key (`kvrouter.server.session_keys`); None when session hints are off."""
+        if self.router.sessions is None:
+            return None
+        return session_key(request.headers.get(SESSION_HEADER), parsed, self.settings.session_key_from)
+
     async def read_body(self, request: web.Request) -> bytes:
         limit = self.settings.max_body_bytes
         too_large = RequestError(f"request body is larger than {limit} bytes", status=413, code="request_too_large")
@@ -252,7 +262,9 @@ class Proxy:
             gate = self.gate
             # With flow control off nothing reads the band or tenant: they are not checked either.
             flow = gate.classify(request.headers, _bearer(request), parsed) if gate and gate.enabled else None
+            session = self.session_of(request, parsed)
             facts = await self.router.facts(parsed)
+            facts.session = session
             admission = None
             if gate is not None and flow is not None:
                 admission = await gate.admit(flow, facts, request_id)

@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvrouter.openai_request import Endpoint, RequestError, parse_request
+from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
 from kvrouter.server.streaming import BodyTooLarge, read_capped
 from kvrouter.typedefs import ReplicaName
 
@@ -58,6 +58,7 @@ class StatusHost(Protocol):
     def check_admin(self, request: web.Request) -> None: ...
     def client_session(self) -> aiohttp.ClientSession: ...
     async def read_body(self, request: web.Request) -> bytes: ...
+    def session_of(self, request: web.Request, parsed: ParsedRequest) -> str | None: ...
 
 
 def _bearer_of(request: web.Request) -> str:
@@ -134,8 +135,10 @@ class StatusEndpoints:
             endpoint = self._debug_endpoint(request, raw)
             parsed = parse_request(endpoint, raw)
             gate = self.proxy.gate
-            flow = gate.classify(request.headers, _bearer_of(request), parsed) if gate is not None else None
+            flow = gate.classify(request.headers, _bearer_of(request), parsed) if gate and gate.enabled else None
+            session = self.proxy.session_of(request, parsed)
             facts = await self.proxy.router.facts(parsed)
+            facts.session = session
         except RequestError as error:
             return _error(error)
         candidates = self.proxy.replicas.routable()
@@ -154,10 +157,14 @@ class StatusEndpoints:
                 "queued_in_band": gate.queue.lengths()[gate.config.bands[flow.band].name],
                 "replicas": reasons,
             }
+        sessions, clock = self.proxy.router.sessions, self.proxy.router.clock
         return web.json_response(
             {
                 "chosen": decision.chosen,
                 "policy": self.proxy.router.policy.name,
+                "session_mode": None if sessions is None else sessions.mode,
+                "session_replica": None if sessions is None else sessions.replica_of(facts.session, clock()),
+                "without_session_hint": decision.without_hint,
                 "endpoint": endpoint,
                 "prompt_tokens": facts.prompt_tokens,
                 "flow": flow_view,
