@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po
+from shared_load_cost import stop
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,12 +40,6 @@ def start_router(config: Path, port: int, *, flow: bool) -> subprocess.Popen[byt
         "--policy", "kv_aware", "--log-level", "warning",
     ]  # fmt: skip
     return subprocess.Popen(argv, cwd=REPO, env=env)
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        process.wait(timeout=20)
 
 
 async def measure(args: argparse.Namespace, config: Path, flow: bool) -> tuple[float, float, float, int]:

@@ -397,7 +397,7 @@ class Replay:
         queue = self.queue
         if queue is None or len(queue) == 0:
             return
-        self._fairness_tick(queue)
+        self._fairness_tick()
         while len(queue) > 0 and not self._saturated():
             waiter = queue.pop(self.now)
             if waiter is None:
@@ -420,7 +420,7 @@ class Replay:
         if waiting == 0:
             self._tenant_idle_at[tenant] = self.now
 
-    def _fairness_tick(self, queue: FlowQueue[int]) -> None:
+    def _fairness_tick(self) -> None:
         """Close the fairness window when it is over: Jain's index of weighted service among the tenants that
         were backlogged through all of it (queued at its start, and never without a queued request since)."""
         now = self.now

@@ -116,7 +116,6 @@ class Admission:
 
     flow: FlowClass
     dispatched: Dispatched | None = None
-    waited_s: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -214,7 +213,7 @@ class FlowGate:
             raise
         finally:
             self._by_request.pop(request_id, None)
-        return Admission(flow, dispatched, waiter.waited(self.clock()))
+        return Admission(flow, dispatched)
 
     def charge_routed(self, flow: FlowClass, routed: Routed) -> None:
         """A request of `flow` was routed: its computed prompt tokens now, its generated tokens when it ends."""

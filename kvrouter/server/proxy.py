@@ -47,6 +47,7 @@ from aiohttp.typedefs import Handler
 from multidict import CIMultiDict
 
 from kvrouter.config import Settings
+from kvrouter.flow.classes import FlowClass
 from kvrouter.metrics import RouterMetrics
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
 from kvrouter.routing.lifecycle import Routed
@@ -224,6 +225,14 @@ class Proxy:
                 "admin token required", status=401, code="invalid_admin_token", type_="authentication_error"
             )
 
+    def flow_of(self, request: web.Request, parsed: ParsedRequest) -> FlowClass | None:
+        """The request's band and tenant (`kvrouter.flow.classes`); None with flow control off, when nothing reads
+        them (not even a malformed header is refused then)."""
+        gate = self.gate
+        if gate is None or not gate.enabled:
+            return None
+        return gate.classify(request.headers, _bearer(request), parsed)
+
     def session_of(self, request: web.Request, parsed: ParsedRequest) -> str | None:
         """The request's session key (`kvrouter.server.session_keys`); None when session hints are off."""
         if self.router.sessions is None:
@@ -259,15 +268,13 @@ class Proxy:
             self.check_client(request)
             raw = await self.read_body(request)
             parsed = parse_request(endpoint, raw)
-            gate = self.gate
-            # With flow control off nothing reads the band or tenant: they are not checked either.
-            flow = gate.classify(request.headers, _bearer(request), parsed) if gate and gate.enabled else None
+            flow = self.flow_of(request, parsed)
             session = self.session_of(request, parsed)
             facts = await self.router.facts(parsed)
             facts.session = session
             admission = None
-            if gate is not None and flow is not None:
-                admission = await gate.admit(flow, facts, request_id)
+            if self.gate is not None and flow is not None:
+                admission = await self.gate.admit(flow, facts, request_id)
             return await self._dispatch(request, raw, parsed, facts, request_id, start, admission)
         except RequestError as error:
             return error_response(error, request_id)

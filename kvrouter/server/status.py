@@ -20,6 +20,7 @@ from kvrouter.typedefs import ReplicaName
 
 if TYPE_CHECKING:
     from kvrouter.config import Settings
+    from kvrouter.flow.classes import FlowClass
     from kvrouter.metrics import RouterMetrics
     from kvrouter.routing.load import LoadBook
     from kvrouter.routing.router import Router
@@ -58,12 +59,8 @@ class StatusHost(Protocol):
     def check_admin(self, request: web.Request) -> None: ...
     def client_session(self) -> aiohttp.ClientSession: ...
     async def read_body(self, request: web.Request) -> bytes: ...
+    def flow_of(self, request: web.Request, parsed: ParsedRequest) -> FlowClass | None: ...
     def session_of(self, request: web.Request, parsed: ParsedRequest) -> str | None: ...
-
-
-def _bearer_of(request: web.Request) -> str:
-    value = request.headers.get("authorization", "")
-    return value[7:].strip() if value[:7].lower() == "bearer " else ""
 
 
 def _error(error: RequestError) -> web.Response:
@@ -135,7 +132,7 @@ class StatusEndpoints:
             endpoint = self._debug_endpoint(request, raw)
             parsed = parse_request(endpoint, raw)
             gate = self.proxy.gate
-            flow = gate.classify(request.headers, _bearer_of(request), parsed) if gate and gate.enabled else None
+            flow = self.proxy.flow_of(request, parsed)
             session = self.proxy.session_of(request, parsed)
             facts = await self.proxy.router.facts(parsed)
             facts.session = session
