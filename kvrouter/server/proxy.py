@@ -50,6 +50,8 @@ from kvrouter.config import Settings
 from kvrouter.flow.classes import FlowClass
 from kvrouter.metrics import RouterMetrics
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
+from kvrouter.routing.adapters import serves
+from kvrouter.routing.adapters import unavailable as adapter_unavailable
 from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.load import LoadBook, Ticket
 from kvrouter.routing.router import Router, RoutingFacts
@@ -252,12 +254,15 @@ class Proxy:
     # -- completions ----------------------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._completion(request, "chat")
+        return await self.completion(request, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._completion(request, "completion")
+        return await self.completion(request, "completion")
 
-    async def _completion(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def completion(
+        self, request: web.Request, endpoint: Endpoint, parsed: ParsedRequest | None = None
+    ) -> web.StreamResponse:
+        """`parsed`: the body as already parsed where it was read (the model dispatch, kvrouter.server.fleets)."""
         start = self.clock()
         request_id = request.headers.get(REQUEST_ID_HEADER) or self.request_ids()
         if self.active >= self.settings.max_concurrency:
@@ -267,7 +272,7 @@ class Proxy:
         try:
             self.check_client(request)
             raw = await self.read_body(request)
-            parsed = parse_request(endpoint, raw)
+            parsed = parse_request(endpoint, raw) if parsed is None else parsed
             flow = self.flow_of(request, parsed)
             session = self.session_of(request, parsed)
             facts = await self.router.facts(parsed)
@@ -300,7 +305,7 @@ class Proxy:
                 # Queued, then dispatched by the gate: it chose the replica and committed when capacity freed.
                 replica, routed = admission.dispatched.replica, admission.dispatched.routed
             else:
-                candidates = self.replicas.routable(exclude=tried)
+                candidates = [r for r in self.replicas.routable(exclude=tried) if serves(r.route, facts.lora)]
                 if not candidates:
                     break
                 began = self.clock()
@@ -342,7 +347,15 @@ class Proxy:
         message = "no healthy replica is available" if refused is None else f"no replica answered: {refused.reason}"
         self.metrics.requests.labels("none", route, "503").inc()
         unavailable = RequestError(message, status=503, code="no_replica_available", type_="server_error")
+        if refused is None and facts.lora is not None:
+            unavailable = self.lora_unavailable(facts.lora, request_id)
         return error_response(unavailable, request_id)
+
+    def lora_unavailable(self, lora: str, request_id: str) -> RequestError:
+        """No routable replica serves the request's adapter (placement, kvrouter.routing.adapters): counted."""
+        self.metrics.lora_unavailable.labels(lora).inc()
+        log.warning("request %s: no routable replica serves the LoRA adapter %r", request_id, lora)
+        return adapter_unavailable(lora)
 
     def _answer_plan(self, parsed: ParsedRequest, replica: ReplicaState) -> AnswerFetch | None:
         """How a non-streaming request's answer is fetched from `replica` (None: a streaming request)."""
