@@ -66,6 +66,8 @@ ROUTER = web.AppKey("router", Router)
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 PROXY = web.AppKey("proxy", Proxy)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+INDEX = web.AppKey("index", PrefixIndex)
+"""The fleet's prefix index, when it has one (set with a tokenizer or without: events fill it either way)."""
 
 
 @dataclass(slots=True)
@@ -257,6 +259,8 @@ def create_app(
     app[ROUTER] = router
     app[REPLICAS] = replicas
     app[PROXY] = proxy
+    if prefix.index is not None:
+        app[INDEX] = prefix.index
     proxy.add_routes(app)
     if isinstance(prefix.events, EmbeddedEvents):
         app[EVENT_STREAMS] = prefix.events

@@ -5,8 +5,8 @@ A replicas.yaml with a `models:` list (`kvrouter.config.ModelsConfig`) makes one
 `policy`, else the `policy` setting), replica set, KV-event ingest following only its replicas, flow gate and
 metrics registry. Those fleet applications are never served themselves: `create_models_app` builds a front
 application that owns the client edge (`kvrouter.server.client_limits`) and runs every fleet's background work
-inside its own lifecycle (each fleet app is frozen and its startup, shutdown and cleanup signals are sent from
-the front's, as aiohttp does for sub-applications, without exposing their routes under a path prefix).
+inside its own lifecycle (each fleet app's startup, shutdown and cleanup signals are sent from the front's, as
+aiohttp does for sub-applications, without exposing the fleet's routes under a path prefix).
 
 Dispatch (`ModelDirectory`): the body is parsed once, here, and the parsed request handed to the fleet's proxy;
 its `model` names a fleet's model, one of its aliases or one of its LoRA adapters. An unknown model is OpenAI's
@@ -133,11 +133,13 @@ def create_models_app(
 
 
 def run_inside(front: web.Application, fleet: web.Application) -> None:
-    """Run `fleet`'s lifecycle (its cleanup_ctx: client session, probes, event ingest, ...) with `front`'s."""
-    fleet.freeze()
+    """Run `fleet`'s lifecycle (its cleanup_ctx: client session, probes, event ingest, ...) with `front`'s, in the
+    order aiohttp's runner uses: signals frozen first, the state once started."""
+    fleet.pre_freeze()
 
     async def startup(_app: web.Application) -> None:
         await fleet.startup()
+        fleet.freeze()
 
     async def shutdown(_app: web.Application) -> None:
         await fleet.shutdown()
