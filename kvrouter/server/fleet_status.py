@@ -30,7 +30,7 @@ from kvrouter.config import Settings
 from kvrouter.metrics import RouterMetrics
 from kvrouter.openai_request import RequestError
 from kvrouter.server.fleet_metrics import exposition_registry
-from kvrouter.server.fleets import FleetApp, ModelDirectory
+from kvrouter.server.model_directory import FleetApp, ModelDirectory
 from kvrouter.server.proxy import error_response
 from kvrouter.server.status import EVENT_STREAMS
 from kvrouter.typedefs import ReplicaName

@@ -8,10 +8,11 @@ application that owns the client edge (`kvrouter.server.client_limits`) and runs
 inside its own lifecycle (each fleet app's startup, shutdown and cleanup signals are sent from the front's, as
 aiohttp does for sub-applications, without exposing the fleet's routes under a path prefix).
 
-Dispatch (`ModelDirectory`): the body is parsed once, here, and the parsed request handed to the fleet's proxy;
-its `model` names a fleet's model, one of its aliases or one of its LoRA adapters. An unknown model is OpenAI's
-404 (`model_not_found`); a request without `model` goes to the only fleet when there is one, and is a 400 when
-there are several. /debug/route and the pass-through paths (/tokenize, embeddings, ...) dispatch the same way.
+Dispatch (`kvrouter.server.model_directory`): the body is parsed once, here, and the parsed request handed to
+the fleet's proxy; its `model` names a fleet's model, one of its aliases or one of its LoRA adapters. An unknown
+model is OpenAI's 404 (`model_not_found`); a request without `model` goes to the only fleet when there is one,
+and is a 400 when there are several. /debug/route and the pass-through paths (/tokenize, embeddings, ...)
+dispatch the same way (they read `model` from the JSON body themselves).
 The endpoints that look at the whole router (/v1/models, /health, /ready, /metrics, /admin) are in
 `kvrouter.server.fleet_status`.
 """
@@ -21,8 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -33,58 +33,15 @@ from kvrouter.metrics import RouterMetrics
 from kvrouter.openai_request import Endpoint, RequestError, parse_request
 from kvrouter.server.app import PROXY, create_app
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, soft_fd_limit
-from kvrouter.server.proxy import Proxy, error_response
+from kvrouter.server.fleet_status import add_status_routes
+from kvrouter.server.model_directory import MODELS, FleetApp, ModelDirectory
+from kvrouter.server.proxy import error_response
 from kvrouter.server.status import StatusEndpoints
 from kvrouter.server.streaming import REQUEST_ID_HEADER
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class FleetApp:
-    """One model's fleet: its configuration and the application `create_app` built for it (never served alone)."""
-
-    fleet: FleetConfig
-    app: web.Application
-    registry: CollectorRegistry
-    proxy: Proxy
-    status: StatusEndpoints
-
-    @property
-    def model(self) -> str:
-        assert self.fleet.model is not None, "a models list names every fleet's model"
-        return self.fleet.model
-
-
-class ModelDirectory:
-    """Which fleet serves a request's `model` (pure): model names, aliases and LoRA adapters, each in one fleet."""
-
-    def __init__(self, fleets: Sequence[FleetApp]) -> None:
-        self.fleets = tuple(fleets)
-        self.by_name = {name: fleet for fleet in fleets for name in fleet.fleet.served_names}
-
-    def find(self, model: object) -> FleetApp:
-        """The fleet for `model` (the body's value, maybe absent); raises RequestError (400, 404)."""
-        if model is None:
-            if len(self.fleets) == 1:
-                return self.fleets[0]
-            served = ", ".join(fleet.model for fleet in self.fleets)
-            raise RequestError(
-                f"the request names no model; this router serves several ({served}): set 'model'",
-                param="model",
-                code="model_required",
-            )
-        if not isinstance(model, str):
-            raise RequestError("'model' must be a string", param="model")
-        fleet = self.by_name.get(model)
-        if fleet is None:
-            raise RequestError(
-                f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found"
-            )
-        return fleet
-
-
-MODELS = web.AppKey("kvrouter_models", ModelDirectory)
 FRONT_METRICS = web.AppKey("kvrouter_front_metrics", RouterMetrics)
 
 
@@ -107,8 +64,6 @@ def create_models_app(
     settings: Settings, config: ModelsConfig, *, clock: Callable[[], float] = time.monotonic
 ) -> web.Application:
     """The router for a `models:` replicas.yaml: a front application dispatching to one fleet per model."""
-    from kvrouter.server.fleet_status import add_status_routes
-
     fleets = build_fleets(settings, config, clock)
     directory = ModelDirectory(fleets)
     metrics = RouterMetrics(CollectorRegistry(auto_describe=True))
@@ -234,4 +189,12 @@ def build_router_app(
     return create_app(settings, config, clock=clock)
 
 
-__all__ = ["FleetApp", "ModelDirectory", "build_fleets", "build_router_app", "create_models_app", "run_inside"]
+__all__ = [
+    "MODELS",
+    "FleetApp",
+    "ModelDirectory",
+    "build_fleets",
+    "build_router_app",
+    "create_models_app",
+    "run_inside",
+]
