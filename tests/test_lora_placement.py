@@ -125,7 +125,7 @@ async def test_adapter_requests_go_only_to_its_replicas_kv_aware(
     await eventually(lambda: index.blocks_of(ReplicaName(str(first))) > 0, what="the prompt's KV events")
     route = await client.post("/debug/route", json=chat("sql", text), headers=ADMIN)
     decision = await route.json()
-    assert decision["lora_adapter"] == "sql"
+    assert decision["lora_adapter"] == "sql" and decision["not_serving_adapter"] == ["l2"]
     assert {c["replica"] for c in decision["candidates"]} == SQL
     assert decision["chosen"] == first
     assert next(c["cached_tokens"] for c in decision["candidates"] if c["replica"] == first) >= 16

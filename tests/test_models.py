@@ -155,6 +155,14 @@ async def test_unknown_missing_models_listing_metrics_and_admin(
     assert not_json.status == 400 and "error" in await not_json.json()
     assert (await client.post("/debug/route", json=chat("gamma", "hi"), headers=ADMIN)).status == 404
 
+    # The pass-through paths dispatch by the body's model too (the sim answers /tokenize).
+    tokenized = await client.post("/tokenize", json={"model": "beta", "prompt": "hello"})
+    assert tokenized.status == 200 and tokenized.headers["x-kvrouter-replica"] in BETA
+    assert (await client.post("/tokenize", json={"model": "gamma", "prompt": "hello"})).status == 404
+    assert (await client.post("/tokenize", json={"prompt": "hello"})).status == 400
+    not_allowed = await client.post("/reset_prefix_cache", json={"model": "beta"})
+    assert not_allowed.status == 404 and (await not_allowed.json())["error"]["code"] == "not_found"
+
     listed = await client.get("/v1/models")
     assert listed.status == 200
     entries = {entry["id"]: entry for entry in (await listed.json())["data"]}

@@ -178,6 +178,7 @@ class StatusEndpoints:
                 "endpoint": endpoint,
                 "model": parsed.model,
                 "lora_adapter": facts.lora,
+                "not_serving_adapter": sorted({r.name for r in candidates} - {r.name for r in routes}),
                 "prompt_tokens": facts.prompt_tokens,
                 "flow": flow_view,
                 "candidates": [
