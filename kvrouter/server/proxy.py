@@ -15,6 +15,9 @@ policy (kv_tune) and the learning overlays (kv_feedback) hear it from there. A c
 handler (the server runs with handler cancellation), which closes the upstream connection at once so the engine
 stops generating.
 
+A request naming a LoRA adapter is tried only on replicas that serve it (`kvrouter.routing.adapters`); with none
+routable it is a 503 that names the adapter, counted in `kvrouter_lora_unavailable_total`.
+
 A request's session key (`x-session-id` or `user`, `session_key_from`) travels in its routing facts: the session's
 last replica is a hint for the policy (`kvrouter.routing.sessions`); a malformed `x-session-id` is a 400.
 
