@@ -333,6 +333,8 @@ def run(args: argparse.Namespace) -> int:
         modes = session_modes(args.sessions)
         pds = pd_rows(args.pd)
         roles = pd_fleet(args.roles, args.replicas) if args.pd is not None else None
+        if roles is not None and (args.routers > 1 or any(flows) or args.replicate or args.drain_at is not None):
+            raise ConfigError("--pd replays with one router and no --flow, --replicate or --drain-at")
     except (ConfigError, ValueError, TraceError, OSError) as error:
         print(f"kvrouter replay: {error}", file=sys.stderr)
         return 2
