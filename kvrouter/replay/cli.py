@@ -144,6 +144,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="The fleet's shape for --pd: NPMD (N prefill then M decode engines) or one role per engine, "
         "comma-separated (prefill, decode, both); as many as --replicas.",
     )
+    parser.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=None,
+        help="Conditional --pd rows: the most uncached prompt tokens a decode worker computes itself (the "
+        "disaggregation section's max_local_prefill_tokens); default kv_batch_tokens, as live.",
+    )
     parser.add_argument("--json", action="store_true", help="Print report.json's rows instead of the table.")
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="Policies replayed at once (forked processes)."
@@ -332,6 +339,9 @@ def run(args: argparse.Namespace) -> int:
         trace = assigned.trace
         modes = session_modes(args.sessions)
         pds = pd_rows(args.pd)
+        threshold = settings.kv_batch_tokens if args.max_local_prefill_tokens is None else args.max_local_prefill_tokens
+        if threshold < 0:
+            raise ConfigError("--max-local-prefill-tokens must be at least 0")
         roles = pd_fleet(args.roles, args.replicas) if args.pd is not None else None
         if roles is not None and (args.routers > 1 or any(flows) or args.replicate or args.drain_at is not None):
             raise ConfigError("--pd replays with one router and no --flow, --replicate or --drain-at")
@@ -385,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
             flow=flow,
             session_mode=mode,
             roles=None if pd_mode is None else roles,
-            disaggregation=DisaggSettings(pd_mode or "conditional", settings.kv_batch_tokens),
+            disaggregation=DisaggSettings(pd_mode or "conditional", threshold),
             kv_transfer=profile.kv_transfer,
         )
 
@@ -439,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
         else {
             "rows": args.pd,
             "roles": roles,
-            "max_local_prefill_tokens": settings.kv_batch_tokens,
+            "max_local_prefill_tokens": threshold,
             "kv_transfer": dataclasses.asdict(profile.kv_transfer),
         },
         "wall_s": round(time.perf_counter() - started, 3),
