@@ -195,9 +195,13 @@ async def test_injected_faults(fleet: Fleet) -> None:
     assert status == 200 and answer["kv_transfer_params"]["remote_engine_id"] == "p1-engine"
     with pytest.raises(aiohttp.ClientConnectionError):
         await dying.get("/health")  # dead: every later connection closes unanswered
+    consumer = await fleet.replica("d1", "decode")
+    status, text = await decode(consumer, answer["kv_transfer_params"])  # its KV died with it
+    assert status == 500 and "the prefill worker is gone" in json.loads(text)["error"]["message"]
     rejecting = await fleet.replica("d0", "decode", faults=PdFaults(reject_transfers=True))
-    status, text = await decode(rejecting, answer["kv_transfer_params"])
-    assert status == 500 and "KV transfer" in json.loads(text)["error"]["message"]
+    _, healthy = await prefill(await fleet.replica("p2", "prefill"))
+    status, text = await decode(rejecting, healthy["kv_transfer_params"])
+    assert status == 500 and "injected fault" in json.loads(text)["error"]["message"]
     # The plain path of a faulty replica is untouched.
     plain = await rejecting.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
     assert plain.status == 200

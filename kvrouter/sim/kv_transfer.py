@@ -18,6 +18,7 @@ real prefill worker's id from a made-up one (vLLM's decode side would fail the h
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,18 +128,26 @@ def fleet_roles(text: str | None, count: int) -> list[ReplicaRole]:
 
 
 class KvPeers:
-    """The engine ids a decode replica can pull KV from, with their roles (one `kvrouter sim` process's)."""
+    """The engine ids a decode replica can pull KV from, with their roles and whether each is still up (one
+    `kvrouter sim` process's replicas)."""
 
     def __init__(self) -> None:
         self._roles: dict[str, ReplicaRole] = {}
+        self._alive: dict[str, Callable[[], bool]] = {}
 
-    def register(self, engine_id: str, role: ReplicaRole) -> None:
+    def register(self, engine_id: str, role: ReplicaRole, alive: Callable[[], bool] = lambda: True) -> None:
         self._roles[engine_id] = role
+        self._alive[engine_id] = alive
 
     def is_producer(self, engine_id: str) -> bool:
         """Whether `engine_id` is a replica that prefills for remote decode (role prefill or both)."""
         role = self._roles.get(engine_id)
         return role is not None and role != "decode"
+
+    def is_alive(self, engine_id: str) -> bool:
+        """Whether the KV can still be pulled from `engine_id` (a worker that died holds none)."""
+        alive = self._alive.get(engine_id)
+        return alive is not None and alive()
 
 
 __all__ = [

@@ -16,8 +16,10 @@ request and adds the top-level `kv_transfer_params` that point a decode worker a
 takes a decode leg (`do_remote_prefill`, naming a producer registered in `KvPeers`): it waits the profile's KV
 transfer time, then runs the request with its prompt's KV counted as transferred (its blocks stored, and announced
 on the event stream, at admission). A leg a replica's role cannot serve, malformed params or an unknown engine id
-get a 400 error. `PdFaults` make a replica fail its legs for tests: answer prefill legs with an error status, die
-after answering one (every later connection is closed unanswered, /health included), or reject transfers (500).
+get a 400 error; a decode leg whose prefill worker has died since it answered gets a 500 (the KV pull failed, as
+under vLLM's `kv_load_failure_policy: fail`). `PdFaults` make a replica fail its legs for tests: answer prefill legs
+with an error status, die after answering one (every later connection is closed unanswered, /health included), or
+reject transfers (500).
 """
 
 from __future__ import annotations
@@ -131,8 +133,8 @@ def build_replica_app(
     metrics = ReplicaMetrics(settings.model_name, engine.gauges)
     driver = EngineDriver(engine, time_scale=settings.time_scale, publisher=publisher, metrics=metrics, clock=clock)
     peers = peers if peers is not None else KvPeers()
-    peers.register(settings.kv_engine_id, settings.role)
     faults = faults if faults is not None else PdFaults()
+    peers.register(settings.kv_engine_id, settings.role, lambda: not faults.dead)
     replica = Replica(settings, engine, driver, tokenizer, metrics, publisher, itertools.count(), peers, faults)
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_dead_replica])
     app[REPLICA] = replica
@@ -322,8 +324,9 @@ async def _generate(
     if isinstance(leg, RemoteDecode) and faults.prefill_status is not None:
         status = faults.prefill_status
         return _error(ApiError(f"prefill failed (injected fault {status})", status, "InternalServerError"))
-    if isinstance(leg, RemotePrefill) and faults.reject_transfers:
-        message = f"KV transfer from {leg.engine_id!r} failed (injected fault)"
+    if isinstance(leg, RemotePrefill) and (faults.reject_transfers or not replica.peers.is_alive(leg.engine_id)):
+        why = "injected fault" if faults.reject_transfers else "the prefill worker is gone"
+        message = f"KV transfer from {leg.engine_id!r} failed ({why})"
         return _error(ApiError(message, 500, "InternalServerError"))
     model = body.get("model")
     lora_name = model if isinstance(model, str) and model in settings.lora_adapters else None
