@@ -87,6 +87,7 @@ class PdFaults:
     reject_transfers: bool = False
     """Answer every decode leg 500: the KV could not be pulled."""
     dead: bool = False
+    """Set once a `die_after_prefill` replica has answered its prefill leg."""
 
 
 @dataclass(slots=True)
@@ -323,7 +324,8 @@ async def _generate(
     faults = replica.faults
     if isinstance(leg, RemoteDecode) and faults.prefill_status is not None:
         status = faults.prefill_status
-        return _error(ApiError(f"prefill failed (injected fault {status})", status, "InternalServerError"))
+        kind = "InternalServerError" if status >= 500 else "BadRequestError"
+        return _error(ApiError(f"prefill failed (injected fault {status})", status, kind))
     if isinstance(leg, RemotePrefill) and (faults.reject_transfers or not replica.peers.is_alive(leg.engine_id)):
         why = "injected fault" if faults.reject_transfers else "the prefill worker is gone"
         message = f"KV transfer from {leg.engine_id!r} failed ({why})"
