@@ -12,6 +12,12 @@ row each, labelled `<policy>@k4-share<ms>` or `<policy>@k4-unshared`.
 
 Session hints: `--sessions off,soft,sticky` replays each policy once per mode, the trace's conversations as
 sessions (`kvrouter.replay.trace.conversations`), labelled `<policy>`, `<policy>+soft`, `<policy>+sticky`.
+
+Disaggregated prefill/decode (docs/disaggregation.md): `--pd aggregated,always,conditional --roles 2P2D` replays
+each policy on the same number of engines three ways: every engine serving whole requests (`<policy>+agg`), and 2
+prefill + 2 decode workers with every request split (`<policy>+pd-always`) or only those whose uncached prefill on
+the best decode worker passes `max_local_prefill_tokens` (`<policy>+pd-conditional`; the threshold is the
+setting `kv_batch_tokens`, as live). KV transfers cost the profile's `kv_transfer`.
 """
 
 from __future__ import annotations
@@ -49,10 +55,12 @@ from kvrouter.replay.report import summarize, table, write_outputs
 from kvrouter.replay.routers import RouterSpread
 from kvrouter.replay.tenancy import Tenancy, assign
 from kvrouter.replay.trace import TraceError, conversations, load_trace, unshared
+from kvrouter.routing.disagg import DisaggSettings
 from kvrouter.routing.sessions import SESSION_MODES
+from kvrouter.sim.kv_transfer import fleet_roles
 from kvrouter.sim.model import EngineModel
 from kvrouter.sim.profiles import build_engine, get_profile
-from kvrouter.typedefs import SessionMode
+from kvrouter.typedefs import DisaggMode, ReplicaRole, SessionMode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +131,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="off",
         help="Session hints, conversations as sessions (requests sharing their first two trace blocks): off, soft, "
         "sticky, or a comma list for one row each (`<policy>+soft`, `<policy>+sticky`).",
+    )
+    parser.add_argument(
+        "--pd",
+        default=None,
+        help="Disaggregated prefill/decode rows, a comma list of aggregated (every engine serves whole requests), "
+        "always, conditional, off (the --roles fleet under that mode): `<policy>+agg`, `<policy>+pd-always`, ...",
+    )
+    parser.add_argument(
+        "--roles",
+        default="2P2D",
+        help="The fleet's shape for --pd: NPMD (N prefill then M decode engines) or one role per engine, "
+        "comma-separated (prefill, decode, both); as many as --replicas.",
+    )
+    parser.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=None,
+        help="Conditional --pd rows: the most uncached prompt tokens a decode worker computes itself (the "
+        "disaggregation section's max_local_prefill_tokens); default kv_batch_tokens, as live.",
     )
     parser.add_argument("--json", action="store_true", help="Print report.json's rows instead of the table.")
     parser.add_argument(
@@ -212,8 +239,45 @@ def session_modes(text: str) -> list[SessionMode]:
     return modes
 
 
-def row_label(policy: str, spread: RouterSpread, flow: FlowConfig | None = None, session: str = "off") -> str:
+PD_ROWS: dict[str, DisaggMode | None] = {
+    "aggregated": None,
+    "always": "always",
+    "conditional": "conditional",
+    "off": "off",
+}
+"""`--pd` rows: None replays every engine as `both`; a mode replays the `--roles` fleet under it."""
+
+
+def pd_rows(text: str | None) -> list[str | None]:
+    """`aggregated,conditional` -> the rows in order; None (no --pd): one row, the fleet as it always was."""
+    if text is None:
+        return [None]
+    rows: list[str | None] = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item not in PD_ROWS:
+            raise ConfigError(f"--pd: expected some of {', '.join(PD_ROWS)}, got {text!r}")
+        rows.append(item)
+    return rows
+
+
+def pd_fleet(text: str, replicas: int) -> list[ReplicaRole]:
+    """`--roles` for the --pd rows: a fleet with a prefill engine and a decode-capable one."""
+    try:
+        roles = fleet_roles(text, replicas)
+    except ValueError as error:
+        raise ConfigError(f"--{error} (--replicas)") from None
+    if "prefill" not in roles:
+        raise ConfigError(f"--roles: {text!r} has no prefill engine")
+    return roles
+
+
+def row_label(
+    policy: str, spread: RouterSpread, flow: FlowConfig | None = None, session: str = "off", pd: str | None = None
+) -> str:
     queue = ("" if flow is None else "+queue") + ("" if session == "off" else f"+{session}")
+    if pd is not None:
+        queue += "+agg" if pd == "aggregated" else f"+pd-{pd}"
     if spread.routers == 1:
         return policy + queue
     delay = spread.share_delay_s
@@ -274,6 +338,13 @@ def run(args: argparse.Namespace) -> int:
         assigned = assign(trace, tenancy)
         trace = assigned.trace
         modes = session_modes(args.sessions)
+        pds = pd_rows(args.pd)
+        threshold = settings.kv_batch_tokens if args.max_local_prefill_tokens is None else args.max_local_prefill_tokens
+        if threshold < 0:
+            raise ConfigError("--max-local-prefill-tokens must be at least 0")
+        roles = pd_fleet(args.roles, args.replicas) if args.pd is not None else None
+        if roles is not None and (args.routers > 1 or any(flows) or args.replicate or args.drain_at is not None):
+            raise ConfigError("--pd replays with one router and no --flow, --replicate or --drain-at")
     except (ConfigError, ValueError, TraceError, OSError) as error:
         print(f"kvrouter replay: {error}", file=sys.stderr)
         return 2
@@ -314,7 +385,20 @@ def run(args: argparse.Namespace) -> int:
     )
     floors = None if args.no_floor else floor_ttfts(trace.requests, prompts, engine_factory)
 
-    def job_for(name: str, spread: RouterSpread, flow: FlowConfig | None, mode: SessionMode = "off") -> Job:
+    def job_for(
+        name: str, spread: RouterSpread, flow: FlowConfig | None, mode: SessionMode = "off", pd: str | None = None
+    ) -> Job:
+        pd_mode = None if pd is None else PD_ROWS[pd]
+        fleet = dataclasses.replace(
+            options,
+            routers=spread,
+            flow=flow,
+            session_mode=mode,
+            roles=None if pd_mode is None else roles,
+            disaggregation=DisaggSettings(pd_mode or "conditional", threshold),
+            kv_transfer=profile.kv_transfer,
+        )
+
         def job() -> tuple[ReplayResult, float]:
             began = time.process_time()
             clock = VirtualClock()
@@ -324,17 +408,17 @@ def run(args: argparse.Namespace) -> int:
                 catalog=catalog,
                 policy=replay_policy_object(name, settings, clock),
                 engine_factory=engines,
-                options=dataclasses.replace(options, routers=spread, flow=flow, session_mode=mode),
+                options=fleet,
                 clock=clock,
                 policy_factory=lambda: replay_policy_object(name, settings, clock),
             )
-            result.policy = row_label(name, spread, flow, mode)
+            result.policy = row_label(name, spread, flow, mode, pd)
             return result, time.process_time() - began
 
         return job
 
-    rows = [(n, s, f, m) for n in policies for s in spreads for f in flows for m in modes]
-    outcomes = run_jobs([job_for(name, spread, flow, mode) for name, spread, flow, mode in rows], args.jobs)
+    rows = [(n, s, f, m, p) for n in policies for s in spreads for f in flows for m in modes for p in pds]
+    outcomes = run_jobs([job_for(*row) for row in rows], args.jobs)
     results = [result for result, _ in outcomes]
     timings = {result.policy: seconds for result, seconds in outcomes}
     summaries = [summarize(result, floors) for result in results]
@@ -360,6 +444,14 @@ def run(args: argparse.Namespace) -> int:
         "replay_cpu_s": {name: round(seconds, 3) for name, seconds in timings.items()},
         "warmups": {result.policy: result.warmups for result in results},
         "sessions": {result.policy: result.sessions for result in results if result.sessions},
+        "pd": None
+        if args.pd is None
+        else {
+            "rows": args.pd,
+            "roles": roles,
+            "max_local_prefill_tokens": threshold,
+            "kv_transfer": dataclasses.asdict(profile.kv_transfer),
+        },
         "wall_s": round(time.perf_counter() - started, 3),
     }
     if args.json:

@@ -21,7 +21,18 @@ sends the warm-ups `HotPrefixReplicator` (kvrouter/routing/replication.py) asks 
 the load book and marks provisional entries like a routed request, and is left out of the results.
 `sessions` gives requests session keys (`session_mode` soft or sticky: the live router's session hints).
 `lost_removals` drops that share of the first engine's `BlockRemoved` events on their way to the router (a lossy
-event path: its index keeps blocks the engine no longer has)."""
+event path: its index keeps blocks the engine no longer has).
+
+Disaggregated prefill/decode: `roles` gives each engine a role; when some are `prefill`, every arrival is planned by
+the live router's `PdPlanner` (`kvrouter.routing.disagg`, `disaggregation` its mode and threshold). A request the
+plan keeps whole is committed with `commit_decode` and runs as usual. A split one: its prefill leg (the prompt with
+one output token) is committed with `commit_prefill` at arrival and added to the prefill engine; when that leg
+finishes (the prefill worker's answer reaches the router) the decode leg is committed with `commit_decode` on the
+plan's decode worker, and reaches that engine `kv_transfer.seconds(prompt)` later as a request whose KV was
+transferred (`EngineRequest.kv_transferred`). The request's record follows what the client sees: TTFT from its
+arrival to the decode worker's first token, ITL from the decode worker's tokens; its cached tokens are the prefill
+leg's (the work the fleet saved). The disaggregated replay runs with one router, no router queue, no warm-ups and no
+drain."""
 
 from __future__ import annotations
 
@@ -40,6 +51,7 @@ from kvrouter.policies.base import Policy
 from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog, SizedPrompt
 from kvrouter.replay.routers import LoadReport, RouterInstance, RouterSpread, Spreader, deliver
 from kvrouter.replay.trace import TraceRequest
+from kvrouter.routing.disagg import DisaggSettings, PdPlan, PdPlanner, is_disaggregated
 from kvrouter.routing.feedback import FeedbackLookup
 from kvrouter.routing.lifecycle import Routed, tell_cleared
 from kvrouter.routing.load import EngineGauges, LoadBook, Ticket
@@ -49,12 +61,13 @@ from kvrouter.routing.router import Route, Router, RoutingFacts
 from kvrouter.routing.sessions import SessionTable
 from kvrouter.routing.survival import SurvivalLookup
 from kvrouter.sim.model import CacheCleared, EngineModel, EngineRequest, KvEvent, RemovedBlocks, StepResult
-from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, SessionMode
+from kvrouter.sim.profiles import KvTransfer
+from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, ReplicaRole, SessionMode
 
 EngineFactory = Callable[[], EngineModel]
 """Builds one simulated engine; `Replay` takes one for every engine alike, or one per engine (a mixed fleet)."""
 
-_PASS_END, _KV_EVENTS, _LOAD_SHARE, _SCRAPE, _DRAIN, _EXPIRE, _ARRIVAL, _PASS_START = range(8)
+_PASS_END, _KV_EVENTS, _LOAD_SHARE, _SCRAPE, _DRAIN, _EXPIRE, _TRANSFER, _ARRIVAL, _PASS_START = range(9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +110,12 @@ class ReplayOptions:
     """How a session's last replica weighs on its next request (`kvrouter.routing.sessions`)."""
     session_ttl_s: float = 600.0
     session_max: int = 65_536
+    roles: Sequence[ReplicaRole] | None = None
+    """Each engine's role in a disaggregated fleet; None: every engine serves whole requests (no planner)."""
+    disaggregation: DisaggSettings = field(default_factory=DisaggSettings)
+    """The planner's mode and threshold, when `roles` has prefill workers."""
+    kv_transfer: KvTransfer | None = None
+    """What a decode leg's KV transfer costs (the profile's); None: nothing."""
 
 
 @dataclass(slots=True)
@@ -117,10 +136,23 @@ class RequestRecord:
     """Time waited in the router queue (part of the TTFT)."""
     rejected: str | None = None
     """Why the router turned it away (`queue_full`, `ttl`, `predicted_ttl`), never sent to an engine."""
+    pd_reason: str | None = None
+    """The P/D plan's reason (`kvrouter.routing.disagg.PlanReason`); None without a planner."""
+    prefill_replica: str | None = None
+    """Where the prefill leg of a split request ran (`replica` is its decode worker)."""
+    transfer_s: float = 0.0
+    """A split request's KV transfer time (part of its TTFT)."""
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def itl(self) -> float | None:
+        """Mean time between output tokens (the bench's `itl_mean_s`); None with fewer than two tokens."""
+        if self.first_token is None or self.finish is None or self.output_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.output_tokens - 1)
 
     @property
     def e2e(self) -> float | None:
@@ -139,6 +171,16 @@ class ReplayResult:
     """Jain's index of weighted service among the tenants backlogged through each fairness window (2 or more)."""
     sessions: dict[str, int] = field(default_factory=dict)
     """The first router's session table at the end: tracked, hinted and changed decisions (empty without hints)."""
+
+
+@dataclass(slots=True)
+class _PrefillLeg:
+    """A split request whose prefill leg is on its way; its decode leg follows the prefill worker's answer."""
+
+    request_id: str
+    position: int
+    plan: PdPlan
+    facts: RoutingFacts
 
 
 @dataclass(slots=True)
@@ -213,7 +255,22 @@ class Replay:
         block_size = self.engines[0].model.block_size
         if block_size != catalog.block_size:
             raise ValueError(f"the engines' block size {block_size} differs from the prompts' {catalog.block_size}")
-        self.routes = [Route(engine.name, block_size) for engine in self.engines]
+        roles = self.options.roles
+        if roles is not None and len(roles) != len(self.engines):
+            raise ValueError(f"{len(roles)} roles for {len(self.engines)} replicas")
+        self.routes = [
+            Route(engine.name, block_size, role="both" if roles is None else roles[number])
+            for number, engine in enumerate(self.engines)
+        ]
+        self.planner: PdPlanner | None = None
+        if is_disaggregated(self.routes):
+            options = self.options
+            if spread.routers > 1 or options.replicate or options.drain_at_s is not None:
+                raise ValueError("a disaggregated fleet replays with one router, no warm-ups and no drain")
+            if options.flow is not None and options.flow.enabled:
+                raise ValueError("a disaggregated fleet replays without the router queue")
+            self.planner = PdPlanner(self.router, options.disaggregation)
+        self._legs: dict[str, _PrefillLeg] = {}
         self._route_of = {route.name: route for route in self.routes}
         self.replicator = HotPrefixReplicator() if self.options.replicate else None
         self.heat = PrefixHeat() if self.options.drain_warm > 0 else None
@@ -335,6 +392,8 @@ class Replay:
                 self._drain()
             elif kind == _EXPIRE:
                 self._expire()
+            elif kind == _TRANSFER:
+                self._transferred(cast(tuple[_PrefillLeg, ReplicaName], payload))
         result = self._result
         result.records = [self._records[str(request.index)] for request in self.requests]
         result.passes = sum(engine.passes for engine in self.engines)
@@ -455,6 +514,9 @@ class Replay:
         )
         instance = self.instances[self._spreader.pick()]
         instance.routed += 1
+        if self.planner is not None:
+            self._route_pd(position, facts, instance)
+            return
         decision = instance.router.decide(facts, self.routes)
         engine = self._by_name[decision.chosen]
         routed = instance.router.commit(decision, facts, self._route_of[engine.name])
@@ -492,6 +554,71 @@ class Replay:
         )
         self._queue_start(engine)
 
+    def _route_pd(self, position: int, facts: RoutingFacts, instance: RouterInstance) -> None:
+        """Plan a request in a disaggregated fleet: whole on one replica, or its prefill leg now."""
+        planner = self.planner
+        assert planner is not None
+        request = self.requests[position]
+        prepared = self.prompts[position]
+        request_id = str(request.index)
+        record = self._records[request_id]
+        plan = planner.plan(facts, self.routes)
+        record.pd_reason = plan.reason
+        if plan.prefill is None:
+            engine = self._by_name[plan.decode.chosen]
+            routed = planner.commit_decode(plan, facts, self._route_of[engine.name], arrival=None)
+            self._routed[request_id] = routed
+            self._instance_of[request_id] = instance
+            record.replica = str(engine.name)
+            record.predicted_cached = routed.predicted_cached
+            engine.model.add(
+                EngineRequest(request_id, request.input_length, prepared.engine_hashes, request.output_length, self.now)
+            )
+            self._queue_start(engine)
+            return
+        engine = self._by_name[plan.prefill.chosen]
+        routed = planner.commit_prefill(plan, facts, self._route_of[engine.name], arrival=None)
+        leg_id = f"{request_id}:prefill"
+        self._routed[leg_id] = routed
+        self._instance_of[leg_id] = instance
+        self._legs[leg_id] = _PrefillLeg(request_id, position, plan, facts)
+        record.replica = str(plan.decode.chosen)
+        record.prefill_replica = str(engine.name)
+        record.predicted_cached = routed.predicted_cached
+        engine.model.add(EngineRequest(leg_id, request.input_length, prepared.engine_hashes, 1, self.now))
+        self._queue_start(engine)
+
+    def _prefill_answered(self, leg_id: str) -> None:
+        """The prefill worker answered: the decode leg is sent, and its KV reaches the decode worker after the
+        transfer."""
+        leg = self._legs.pop(leg_id)
+        planner = self.planner
+        assert planner is not None
+        record = self._records[leg.request_id]
+        replica = leg.plan.decode.chosen
+        routed = planner.commit_decode(leg.plan, leg.facts, self._route_of[replica], arrival=record.arrival)
+        self._routed[leg.request_id] = routed
+        self._instance_of[leg.request_id] = self.instances[0]  # one router replays a disaggregated fleet
+        transfer = self.options.kv_transfer
+        record.transfer_s = 0.0 if transfer is None else transfer.seconds(record.prompt_tokens)
+        self._push(self.now + record.transfer_s, _TRANSFER, (leg, replica))
+
+    def _transferred(self, payload: tuple[_PrefillLeg, ReplicaName]) -> None:
+        leg, replica = payload
+        request = self.requests[leg.position]
+        engine = self._by_name[replica]
+        engine.model.add(
+            EngineRequest(
+                leg.request_id,
+                request.input_length,
+                self.prompts[leg.position].engine_hashes,
+                request.output_length,
+                self.now,
+                kv_transferred=True,
+            )
+        )
+        self._queue_start(engine)
+
     def _queue_start(self, engine: _Engine) -> None:
         if not engine.busy and not engine.start_queued:
             engine.start_queued = True
@@ -514,24 +641,37 @@ class Replay:
         now = self.now
         records = self._records
         # In the order the live proxy sees them: first token; then, at the end, the cached-token report and finish.
+        legs = self._legs
         for request_id in result.first_tokens:
             routed = self._routed.get(request_id)
             if routed is None:
                 self.load.first_token(self._warm_tickets[request_id])
+                continue
+            if request_id in legs:
+                routed.first_token(now)  # the prefill worker's one token: the router sees it as its answer
                 continue
             if not self.options.whole_answers:
                 routed.first_token(now)
             records[request_id].first_token = now
             self._share(self._instance_of[request_id], routed.replica)
         for request_id, cached in result.cached_tokens.items():
+            leg = legs.get(request_id)
+            if leg is not None:
+                records[leg.request_id].cached_tokens = cached  # the prefill leg's hits: the work saved
+                self._reported.setdefault(request_id, cached)
+                continue
             record = records.get(request_id)
             if record is None:
                 continue  # a warm-up
-            record.cached_tokens = cached
+            if record.prefill_replica is None:
+                record.cached_tokens = cached
             # What vLLM's usage reports is the first admission's count (a preempted request keeps it).
             self._reported.setdefault(request_id, cached)
         for request_id in result.preempted:
-            if request_id in records:
+            leg = legs.get(request_id)
+            if leg is not None:
+                records[leg.request_id].preemptions += 1
+            elif request_id in records:
                 records[request_id].preemptions += 1
         for request_id in result.finished:
             routed = self._routed.pop(request_id, None)
@@ -543,6 +683,9 @@ class Replay:
             routed.served(self._reported.pop(request_id, None), now)
             routed.finish(now)
             self._share(self._instance_of.pop(request_id), routed.replica)
+            if request_id in legs:
+                self._prefill_answered(request_id)
+                continue
             record = records[request_id]
             record.finish = now
             self._unfinished -= 1

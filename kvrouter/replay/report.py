@@ -7,7 +7,10 @@ its `prefill_share` of the prompt tokens the fleet computed (not served from cac
 pays for).
 Replay adds `predicted_hit_rate` (what the router believed was cached where it sent each request), preemptions,
 and the floor: each request's TTFT alone on an idle engine with the best cache any earlier request could have
-left (`floor_ttft_p50`/`p99`), the bound no routing can beat.
+left (`floor_ttft_p50`/`p99`), the bound no routing can beat. `itl_p50`/`itl_p99` are percentiles of each
+request's mean inter-token latency (the bench's `itl_mean_s`). A disaggregated fleet adds `pd`: requests split,
+the plan reasons and the KV transfer times; a split request's prompt counts towards its prefill worker's
+`prefill_share` and `hit_rate`, its request towards its decode worker's `share`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ CSV_FIELDS = (
     "band",
     "queued_ms",
     "rejected",
+    "itl_ms",
+    "pd_reason",
+    "prefill_replica",
+    "transfer_ms",
 )
 
 
@@ -46,6 +53,7 @@ def summarize(result: ReplayResult, floors: Sequence[float] | None = None) -> di
     done = [r for r in records if r.finish is not None and r.first_token is not None]
     ttft = [r.first_token - r.arrival for r in done if r.first_token is not None]
     e2e = [r.finish - r.arrival for r in done if r.finish is not None]
+    itl = [value for r in done if (value := r.itl) is not None]
     start = min((r.arrival for r in records), default=0.0)
     end = max((r.finish for r in done if r.finish is not None), default=start)
     span = end - start
@@ -57,8 +65,9 @@ def summarize(result: ReplayResult, floors: Sequence[float] | None = None) -> di
         if record.replica not in counts:
             continue  # turned away by the router queue: never reached an engine
         counts[record.replica] += 1
-        cached_by[record.replica] += record.cached_tokens
-        prompt_by[record.replica] += record.prompt_tokens
+        worker = record.prefill_replica or record.replica
+        cached_by[worker] += record.cached_tokens
+        prompt_by[worker] += record.prompt_tokens
     total = len(records)
     computed = prompt - sum(cached_by.values())
     summary: dict[str, Any] = {
@@ -68,6 +77,8 @@ def summarize(result: ReplayResult, floors: Sequence[float] | None = None) -> di
         "ttft_p50": percentile(ttft, 50),
         "ttft_p90": percentile(ttft, 90),
         "ttft_p99": percentile(ttft, 99),
+        "itl_p50": percentile(itl, 50),
+        "itl_p99": percentile(itl, 99),
         "e2e_p50": percentile(e2e, 50),
         "e2e_p99": percentile(e2e, 99),
         "requests_per_s": len(done) / span if span > 0 else None,
@@ -91,7 +102,24 @@ def summarize(result: ReplayResult, floors: Sequence[float] | None = None) -> di
         summary["floor_ttft_p99"] = percentile(floors, 99)
     if any(r.queued_s > 0 or r.rejected is not None for r in records) or len({r.tenant for r in records}) > 1:
         summary["flow"] = flow_summary(result)
+    if any(r.pd_reason is not None for r in records):
+        summary["pd"] = pd_summary(records)
     return summary
+
+
+def pd_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """A disaggregated fleet's part: how many requests were split, why each plan was what it was, the transfers."""
+    reasons: dict[str, int] = {}
+    for r in records:
+        if r.pd_reason is not None:
+            reasons[r.pd_reason] = reasons.get(r.pd_reason, 0) + 1
+    transfers = [r.transfer_s for r in records if r.prefill_replica is not None]
+    return {
+        "split": len(transfers),
+        "reasons": dict(sorted(reasons.items())),
+        "transfer_p50": percentile(transfers, 50) if transfers else None,
+        "transfer_p99": percentile(transfers, 99) if transfers else None,
+    }
 
 
 def _group(records: Sequence[RequestRecord]) -> dict[str, Any]:
@@ -132,6 +160,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:,.0f}"
 
 
+def _ms1(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:,.1f}"
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
 
@@ -139,9 +171,9 @@ def _pct(value: float | None) -> str:
 def table(summaries: Sequence[dict[str, Any]]) -> str:
     """A Markdown table, one row per policy."""
     lines = [
-        "| policy | TTFT p50 / p90 / p99 (ms) | e2e p50 / p99 (ms) | req/s | output tok/s | prefix hit "
-        "| predicted hit | replica shares | preemptions |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| policy | TTFT p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) | e2e p50 / p99 (ms) | req/s | output tok/s "
+        "| prefix hit | predicted hit | replica shares | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         shares = " / ".join(_pct(v["share"]) for v in s["replicas"].values())
@@ -149,6 +181,7 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
         tps = s["output_tokens_per_s"]
         lines.append(
             f"| {s['policy']} | {_ms(s['ttft_p50'])} / {_ms(s['ttft_p90'])} / {_ms(s['ttft_p99'])} "
+            f"| {_ms1(s.get('itl_p50'))} / {_ms1(s.get('itl_p99'))} "
             f"| {_ms(s['e2e_p50'])} / {_ms(s['e2e_p99'])} | {'-' if rps is None else f'{rps:.2f}'} "
             f"| {'-' if tps is None else f'{tps:,.0f}'} | {_pct(s['hit_rate'])} | {_pct(s['predicted_hit_rate'])} "
             f"| {shares} | {s['preemptions']} |"
@@ -171,6 +204,18 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
             f"(predicted past the TTL); {bands}"
             + ("" if jain is None else f"; Jain {jain:.3f} over {flow['jain_windows']} windows")
         )
+    if any(s.get("pd") is not None for s in summaries):
+        lines.append("")
+    for s in summaries:
+        pd = s.get("pd")
+        if pd is None:
+            continue
+        reasons = ", ".join(f"{reason} {count}" for reason, count in pd["reasons"].items())
+        transfer = (
+            "" if pd["transfer_p50"] is None
+            else f"; KV transfer p50 {_ms1(pd['transfer_p50'])} ms, p99 {_ms1(pd['transfer_p99'])} ms"
+        )  # fmt: skip
+        lines.append(f"{s['policy']}: split {pd['split']} of {s['scheduled']} ({reasons}){transfer}")
     floor = next((s for s in summaries if s.get("floor_ttft_p99") is not None), None)
     if floor is not None:
         lines.append("")
@@ -205,6 +250,10 @@ def write_csv(path: Path, result: ReplayResult, floors: Sequence[float] | None =
                     r.band,
                     f"{r.queued_s * 1000:.3f}",
                     r.rejected or "",
+                    "" if (itl := r.itl) is None else f"{itl * 1000:.3f}",
+                    r.pd_reason or "",
+                    r.prefill_replica or "",
+                    f"{r.transfer_s * 1000:.3f}",
                 ]
             )
 

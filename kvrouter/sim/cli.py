@@ -7,6 +7,12 @@ Replica i listens for HTTP on `--host`:`--base-port + i`; its KV-event PUB socke
 endpoints with bind false, block size, tokenizer directory; a wildcard host is reached as 127.0.0.1). Each replica
 hashes blocks with its own seed, as separate vLLM processes do, so the router cannot rely on engine hashes.
 Without `--tokenizer` the project's tiny tokenizer is built (once) and used.
+
+Disaggregated prefill/decode: `--roles prefill,prefill,decode,decode` (or `2P2D`) gives the replicas roles, written
+into replicas.yaml; the replicas of one process share one KV-transfer plane (`kvrouter.sim.kv_transfer.KvPeers`),
+so a decode replica accepts the params any of the process's prefill replicas answered. `--fault NAME:KIND` makes
+replica NAME fail its legs (`kvrouter.sim.server.PdFaults`): `prefill-STATUS` (answer prefill legs with STATUS),
+`die-after-prefill`, `reject-transfers`.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from pathlib import Path
 import yaml
 import zmq
 
+from kvrouter.sim.kv_transfer import KvPeers, fleet_roles
 from kvrouter.sim.profiles import PROFILES, Profile, build_engine, get_profile
-from kvrouter.sim.server import ReplicaSettings, build_replica_app
+from kvrouter.sim.server import PdFaults, ReplicaSettings, build_replica_app
+from kvrouter.typedefs import ReplicaRole
 
 log = logging.getLogger("kvrouter.sim")
 
@@ -52,6 +60,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Replica names: this plus 0, 1, ... (unique across a models list).",
     )
     parser.add_argument("--hash-seed", type=int, default=0, help="Seed of replica 0's block hashes (+i for i).")
+    parser.add_argument(
+        "--roles",
+        default=None,
+        help="Replica roles for disaggregated prefill/decode: one per replica, comma-separated (prefill, decode, "
+        "both), or NPMD (N prefill then M decode); default every replica 'both'.",
+    )
+    parser.add_argument(
+        "--fault",
+        dest="faults",
+        action="append",
+        default=[],
+        metavar="NAME:KIND",
+        help="Make replica NAME fail its P/D legs: prefill-STATUS, die-after-prefill or reject-transfers.",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -115,6 +137,25 @@ def layouts(count: int, base_port: int, kv_base_port: int | None, prefix: str = 
     return [Layout(f"{prefix}{i}", base_port + i, kv_base + 2 * i, kv_base + 2 * i + 1) for i in range(count)]
 
 
+def replica_faults(items: list[str], names: list[str]) -> dict[str, PdFaults]:
+    """`--fault sim-0:prefill-500 --fault sim-2:reject-transfers` -> faults per replica name; raises ValueError."""
+    faults: dict[str, PdFaults] = {}
+    for item in items:
+        name, _, kind = item.partition(":")
+        if name not in names:
+            raise ValueError(f"--fault {item!r}: no replica named {name!r}")
+        fault = faults.setdefault(name, PdFaults())
+        if kind == "die-after-prefill":
+            fault.die_after_prefill = True
+        elif kind == "reject-transfers":
+            fault.reject_transfers = True
+        elif kind.startswith("prefill-") and kind[8:].isdigit() and 400 <= int(kind[8:]) <= 599:
+            fault.prefill_status = int(kind[8:])
+        else:
+            raise ValueError(f"--fault {item!r}: expected NAME:prefill-STATUS, die-after-prefill or reject-transfers")
+    return faults
+
+
 def fleet_document(
     replicas: list[Layout],
     *,
@@ -124,9 +165,11 @@ def fleet_document(
     model: str,
     topic: str,
     lora_adapters: tuple[str, ...] = (),
+    roles: list[ReplicaRole] | None = None,
 ) -> dict[str, object]:
     """The replicas.yaml content for these replicas (what `kvrouter.config.load_fleet` reads)."""
     reach = reach_host(host)
+    role_of = dict(zip((r.name for r in replicas), roles or (), strict=False))
     extra: dict[str, object] = {"lora_adapters": list(lora_adapters)} if lora_adapters else {}
     return {
         "model": model,
@@ -143,6 +186,7 @@ def fleet_document(
                     "topic": topic,
                     "bind": False,
                 },
+                **({"role": role_of[r.name]} if role_of.get(r.name, "both") != "both" else {}),
             }
             for r in replicas
         ],
@@ -156,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
         if args.replicas < 1 or args.time_scale <= 0:
             raise ValueError("--replicas must be >= 1 and --time-scale > 0")
         build_engine(profile, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks)
+        roles = fleet_roles(args.roles, args.replicas)
+        faults = replica_faults(args.faults, [layout.name for layout in layouts(args.replicas, 0, 0)])
     except ValueError as error:
         print(f"kvrouter sim: {error}", file=sys.stderr)
         return 2
@@ -166,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     try:
-        asyncio.run(_serve(args, profile))
+        asyncio.run(_serve(args, profile, roles, faults))
     except KeyboardInterrupt:
         pass
     except (OSError, zmq.ZMQError) as error:
@@ -175,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(args: argparse.Namespace, profile: Profile) -> None:
+async def _serve(
+    args: argparse.Namespace, profile: Profile, roles: list[ReplicaRole], faults: dict[str, PdFaults]
+) -> None:
     import zmq.asyncio
     from aiohttp import web
 
@@ -200,6 +248,7 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
         context.setsockopt(zmq.IPV6, 1)
     runners: list[web.AppRunner] = []
     plan = layouts(args.replicas, args.base_port, args.kv_base_port, args.name_prefix)
+    peers = KvPeers()
     try:
         for index, layout in enumerate(plan):
             seed = args.hash_seed + index
@@ -219,8 +268,12 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
                 hash_seed=seed,
                 default_max_tokens=args.default_max_tokens,
                 lora_adapters=adapters,
+                role=roles[index],
+                kv_transfer=profile.kv_transfer,
             )
-            app = build_replica_app(settings, engine, tokenizer, publisher=publisher)
+            app = build_replica_app(
+                settings, engine, tokenizer, publisher=publisher, peers=peers, faults=faults.get(layout.name)
+            )
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
             runners.append(runner)
@@ -229,7 +282,7 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
         if args.write_replicas is not None:
             document = fleet_document(
                 plan, host=args.host, block_size=block_size, tokenizer=Path(tokenizer_dir), model=model_name,
-                topic=args.topic, lora_adapters=adapters,
+                topic=args.topic, lora_adapters=adapters, roles=roles,
             )  # fmt: skip
             args.write_replicas.parent.mkdir(parents=True, exist_ok=True)
             args.write_replicas.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")

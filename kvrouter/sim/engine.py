@@ -11,7 +11,8 @@ One `step(now)` is one scheduler pass as vLLM v1 makes it (FCFS policy, chunked 
    then gets the remaining tokens up to the budget (chunked prefill); it is admitted only if blocks for its whole
    prompt are free (`reserve_full_prompt`, vLLM's scheduler_reserve_full_isl). The prefix-cache query/hit
    counters count a request when it is admitted, except a preempted one coming back (recent vLLM's
-   PrefixCacheStats).
+   PrefixCacheStats). A request whose KV was transferred (`EngineRequest.kv_transferred`) is admitted with all
+   but its last prompt token computed; the counters and `cached_tokens` count its local hits only.
 3. Blocks that become full when scheduled are cached at once (so a request admitted later in the same pass
    already hits them), including blocks filled by generated tokens.
 4. The pass takes `timing.step_time(...)` seconds; every request whose known tokens are all computed emits one
@@ -261,12 +262,15 @@ class VllmEngine:
             seq = waiting[0]
             hits = cache.lookup(seq.hashes, (seq.num_tokens - 1) // block_size)
             hit_tokens = len(hits) * block_size
-            new = seq.num_tokens - hit_tokens
+            computed = hit_tokens
+            if seq.request.kv_transferred and seq.preemptions == 0:
+                computed = max(hit_tokens, seq.num_tokens - 1)  # the rest of the prompt arrived with the request
+            new = seq.num_tokens - computed
             if new > budget:
                 new = budget
-            need = _cdiv(hit_tokens + new, block_size) - len(hits)
+            need = _cdiv(computed + new, block_size) - len(hits)
             check = need
-            if reserve_full and seq.num_tokens > hit_tokens + new:
+            if reserve_full and seq.num_tokens > computed + new:
                 check = _cdiv(seq.num_tokens, block_size) - len(hits)
             if check + cache.evictable(hits) > cache.free_blocks:
                 break
@@ -278,11 +282,11 @@ class VllmEngine:
             seq.blocks = hits
             cache.allocate(need)
             seq.unhashed = need
-            seq.num_computed = hit_tokens
+            seq.num_computed = computed
             if not seq.reported:
                 seq.reported = True
                 result.cached_tokens[seq.request.request_id] = hit_tokens
-            self._cache_full_blocks(seq, hit_tokens + new)
+            self._cache_full_blocks(seq, computed + new)
             seq.order = self._orders
             self._orders += 1
             running.append(seq)

@@ -22,6 +22,9 @@ Its job is to let kvrouter be judged number for number against Dynamo's own offl
   max(1, d2*u^2 + d1*u + d0) with u = (sequence lengths of requests already decoding) / (num_blocks*block_size),
   clamped to 1; a pass costs prefill + decode, each only when it has work. Decoding requests emit one token at
   the end of the pass; a request whose prompt completes in a pass emits its first token then.
+* A request whose KV was transferred (`EngineRequest.kv_transferred`, not in Dynamo 1.6.1's mocker) is admitted
+  like any other, then counts all but its last prompt token as computed: its blocks are cached at once and its
+  first pass prefills one token.
 
 Decoding requests advance in lockstep, so the pass does not touch each of them: a heap holds the pass at which
 each one next needs a block or finishes, and the sum of their lengths moves by their count per pass.
@@ -373,12 +376,15 @@ class DynamoMockerEngine:
             state.registered = hits
             state.anonymous = needed - hits
             state.prefix_tokens = hits * size
-            state.to_prefill = tokens - state.prefix_tokens
             result.cached_tokens[spec.request_id] = state.prefix_tokens
+            if spec.kv_transferred and not state.counted:
+                # A decode leg: the rest of the prompt arrived with it (a preempted one recomputes).
+                state.prefix_tokens = max(state.prefix_tokens, tokens - 1)
+            state.to_prefill = tokens - state.prefix_tokens
             if state.generated == 0 and not state.counted:
                 state.counted = True
                 self._prefix_queries += spec.prompt_len
-                self._prefix_hits += state.prefix_tokens
+                self._prefix_hits += hits * size
             self._orders += 1
             state.order = self._orders
             self._running[spec.request_id] = state

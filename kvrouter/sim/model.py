@@ -33,6 +33,13 @@ class EngineRequest:
     output_token_ids: Sequence[int] | None = None
     """The tokens the request will generate, when the driver chose them (the server does); blocks filled during
     decode are hashed over them and BlockStored carries them. Without them such blocks get synthetic hashes."""
+    kv_transferred: bool = False
+    """The prompt's KV arrives from a prefill worker (a disaggregated decode leg; the driver charges the transfer
+    before adding it): the engine admits it with every prompt token but the last counted as computed — its local
+    prefix hits first, the rest as transferred — and caches the prompt's full blocks at once (vLLM's decode
+    instance caches the blocks it pulled); its first pass computes the last prompt token and emits the first output
+    token (vLLM recomputes that token on the decode side). Blocks for the whole prompt must be free, as for any
+    admission. A preempted request has lost its transfer and recomputes its prompt."""
 
 
 @dataclass(frozen=True, slots=True)

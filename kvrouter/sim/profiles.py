@@ -61,6 +61,18 @@ Before that calibration existed, runs/s1_basic_bs32 of the fixtures (latency.jso
 Any profile runs slower or faster with `speed` (`build_engine(..., speed=0.5)`, `kvrouter replay --speeds`): every
 pass's duration is divided by it, so a fleet of two GPU generations is one profile at two speeds.
 
+KV transfer (a disaggregated decode leg pulling its prompt's KV from the prefill worker, `KvTransfer`): a fixed
+per-transfer latency plus bytes over one link. The bytes per token are what one GPU's link carries, from the
+profile's model shape; each TP rank pulls its own share over its own NIC in parallel, so a rank's bytes set the
+time. The link is one 400 Gb/s RDMA NIC per GPU (ConnectX-7 class) at ~80% of line rate: 40 GB/s; the fixed part,
+1 ms, is the connector's per-request notification and descriptor set-up (NIXL, as vLLM's NixlConnector uses it).
+  * `b200x4-moe-1t` (and `dynamo-mocker`): the MLA latent is replicated on every rank: 70,272 B per token per
+    link -> 1.76 us per token (an 8k-token prompt: 15 ms, against ~170 ms to prefill it).
+  * `h100x4-70b`: 320 KB per token sharded over 4 ranks: 81,920 B per link -> 2.0 us per token.
+  * `cpu-tiny`: 8 KiB per token (its whole KV, one process), the same link figures.
+The transfer is charged for the whole prompt (the decode worker's own prefix hits are not subtracted: an upper
+bound), outside the engine's passes.
+
 `dynamo-mocker` — Dynamo 1.6.1's mocker engine model (`sim/mocker.py`) with its own pass timing and defaults
 (16,384 blocks of 64 tokens, 8,192-token budget, 256 sequences); the HTTP front end uses `b200x4-moe-1t`'s.
 """
@@ -71,6 +83,19 @@ from dataclasses import dataclass, replace
 
 from kvrouter.sim.engine import SchedulerConfig, VllmEngine
 from kvrouter.sim.model import EngineModel
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransfer:
+    """What moving a prompt's KV from a prefill worker to a decode worker costs (see the module docstring)."""
+
+    bytes_per_token: int
+    """KV bytes per prompt token that one link carries (one TP rank's share)."""
+    link_bytes_per_s: float = 40e9
+    latency_s: float = 0.001
+
+    def seconds(self, tokens: int) -> float:
+        return self.latency_s + tokens * self.bytes_per_token / self.link_bytes_per_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +112,8 @@ class Profile:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    kv_transfer: KvTransfer
+    """The cost of a disaggregated decode leg's KV transfer; not divided by `speed` (it is the network's)."""
     engine: str = "vllm"
     """"vllm" (sim/engine.py) or "dynamo-mocker" (sim/mocker.py)."""
     speed: float = 1.0
@@ -137,6 +164,7 @@ PROFILES: dict[str, Profile] = {
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         max_model_len=131_072,
+        kv_transfer=KvTransfer(bytes_per_token=70_272),
     ),
     "h100x4-70b": Profile(
         name="h100x4-70b",
@@ -151,6 +179,7 @@ PROFILES: dict[str, Profile] = {
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         max_model_len=131_072,
+        kv_transfer=KvTransfer(bytes_per_token=81_920),
     ),
     "cpu-tiny": Profile(
         name="cpu-tiny",
@@ -165,6 +194,7 @@ PROFILES: dict[str, Profile] = {
         max_num_seqs=128,
         max_num_batched_tokens=2048,
         max_model_len=4096,
+        kv_transfer=KvTransfer(bytes_per_token=8192),
     ),
 }
 PROFILES["dynamo-mocker"] = replace(

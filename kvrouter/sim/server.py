@@ -9,6 +9,17 @@ A request spends the profile's front-end overhead, then its prompts enter the en
 engine's passes end. Generation always runs to `max_tokens` (the simulator never samples EOS, so `ignore_eos` is
 accepted and changes nothing); without `max_tokens` a request gets `default_max_tokens`, capped by the context
 window. A client that disconnects has its requests aborted in the engine.
+
+Disaggregated prefill/decode (`kvrouter.sim.kv_transfer`, vLLM's NixlConnector protocol): a replica has a `role`.
+A `prefill` or `both` replica answers a prefill leg (`kv_transfer_params.do_remote_decode`, one prompt) like any
+request and adds the top-level `kv_transfer_params` that point a decode worker at it. A `decode` or `both` replica
+takes a decode leg (`do_remote_prefill`, naming a producer registered in `KvPeers`): it waits the profile's KV
+transfer time, then runs the request with its prompt's KV counted as transferred (its blocks stored, and announced
+on the event stream, at admission). A leg a replica's role cannot serve, malformed params or an unknown engine id
+get a 400 error; a decode leg whose prefill worker has died since it answered gets a 500 (the KV pull failed, as
+under vLLM's `kv_load_failure_policy: fail`). `PdFaults` make a replica fail its legs for tests: answer prefill legs
+with an error status, die after answering one (every later connection is closed unanswered, /health included), or
+reject transfers (500).
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +37,20 @@ from aiohttp import web
 
 from kvrouter.sim.driver import DONE, EngineDriver, Tracked
 from kvrouter.sim.hashing import prompt_hashes
+from kvrouter.sim.kv_transfer import (
+    KvPeers,
+    KvTransferError,
+    RemoteDecode,
+    RemotePrefill,
+    parse_kv_transfer_params,
+    prefill_answer,
+)
 from kvrouter.sim.metrics import ReplicaMetrics
 from kvrouter.sim.model import EngineModel, EngineRequest
+from kvrouter.sim.profiles import KvTransfer
 from kvrouter.sim.publisher import KvEventPublisher
 from kvrouter.sim.textio import SimTokenizer
+from kvrouter.typedefs import ReplicaRole
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +64,30 @@ class ReplicaSettings:
     default_max_tokens: int = 256
     lora_adapters: tuple[str, ...] = ()
     """LoRA adapter names served besides the base model; a request naming one is keyed by it (vLLM's rule)."""
+    role: ReplicaRole = "both"
+    """Which legs of a disaggregated request it takes: prefill (KV producer), decode (consumer), both."""
+    kv_transfer: KvTransfer | None = None
+    """A decode leg's KV transfer cost (the profile's); None: instant."""
+    engine_id: str = ""
+    """The id its prefill answers name (vLLM's engine_id); default `<name>-engine`."""
+
+    @property
+    def kv_engine_id(self) -> str:
+        return self.engine_id or f"{self.name}-engine"
+
+
+@dataclass(slots=True)
+class PdFaults:
+    """Ways a replica fails its P/D legs, for tests (settable while it runs)."""
+
+    prefill_status: int | None = None
+    """Answer every prefill leg with this status and an error body."""
+    die_after_prefill: bool = False
+    """After answering one prefill leg, close every connection unanswered (a crashed worker)."""
+    reject_transfers: bool = False
+    """Answer every decode leg 500: the KV could not be pulled."""
+    dead: bool = False
+    """Set once a `die_after_prefill` replica has answered its prefill leg."""
 
 
 @dataclass(slots=True)
@@ -54,6 +99,8 @@ class Replica:
     metrics: ReplicaMetrics
     publisher: KvEventPublisher | None
     ids: itertools.count[int]
+    peers: KvPeers
+    faults: PdFaults
 
 
 REPLICA = web.AppKey("replica", Replica)
@@ -79,11 +126,18 @@ def build_replica_app(
     *,
     publisher: KvEventPublisher | None = None,
     clock: Callable[[], float] = time.monotonic,
+    peers: KvPeers | None = None,
+    faults: PdFaults | None = None,
 ) -> web.Application:
+    """`peers`: the transfer plane shared by the replicas of one process (this replica registers in it; default a
+    plane of its own)."""
     metrics = ReplicaMetrics(settings.model_name, engine.gauges)
     driver = EngineDriver(engine, time_scale=settings.time_scale, publisher=publisher, metrics=metrics, clock=clock)
-    replica = Replica(settings, engine, driver, tokenizer, metrics, publisher, itertools.count())
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    peers = peers if peers is not None else KvPeers()
+    faults = faults if faults is not None else PdFaults()
+    peers.register(settings.kv_engine_id, settings.role, lambda: not faults.dead)
+    replica = Replica(settings, engine, driver, tokenizer, metrics, publisher, itertools.count(), peers, faults)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_dead_replica])
     app[REPLICA] = replica
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", _completions)
@@ -106,6 +160,18 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     await replica.driver.stop()
     if replica.publisher is not None:
         await replica.publisher.close()
+
+
+@web.middleware
+async def _dead_replica(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A replica that died (`PdFaults.die_after_prefill`) closes every connection without an answer."""
+    if request.app[REPLICA].faults.dead:
+        if request.transport is not None:
+            request.transport.close()
+        raise web.HTTPServiceUnavailable()  # never reaches the closed connection
+    return await handler(request)
 
 
 # -- small endpoints -----------------------------------------------------------------------------------------
@@ -252,8 +318,18 @@ async def _generate(
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ApiError("'cache_salt' must be a non-empty string")
+        leg = _leg(replica, body, prompts)
     except ApiError as error:
         return _error(error)
+    faults = replica.faults
+    if isinstance(leg, RemoteDecode) and faults.prefill_status is not None:
+        status = faults.prefill_status
+        kind = "InternalServerError" if status >= 500 else "BadRequestError"
+        return _error(ApiError(f"prefill failed (injected fault {status})", status, kind))
+    if isinstance(leg, RemotePrefill) and (faults.reject_transfers or not replica.peers.is_alive(leg.engine_id)):
+        why = "injected fault" if faults.reject_transfers else "the prefill worker is gone"
+        message = f"KV transfer from {leg.engine_id!r} failed ({why})"
+        return _error(ApiError(message, 500, "InternalServerError"))
     model = body.get("model")
     lora_name = model if isinstance(model, str) and model in settings.lora_adapters else None
     lora_id = settings.lora_adapters.index(lora_name) + 1 if lora_name is not None else None
@@ -261,6 +337,8 @@ async def _generate(
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{settings.name}-{number}"
     if settings.request_overhead_s > 0:
         await asyncio.sleep(settings.request_overhead_s / settings.time_scale)
+    if isinstance(leg, RemotePrefill) and settings.kv_transfer is not None:
+        await asyncio.sleep(settings.kv_transfer.seconds(len(prompts[0])) / settings.time_scale)
     sink: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
     block_size = replica.engine.block_size
     tracked: list[Tracked] = []
@@ -280,6 +358,7 @@ async def _generate(
                 lora_name=lora_name,
                 lora_id=lora_id,
                 output_token_ids=outputs,
+                kv_transferred=isinstance(leg, RemotePrefill),
             )
             item = Tracked(engine_request, index, sink, arrived)
             replica.driver.submit(item)
@@ -289,13 +368,55 @@ async def _generate(
             options = body.get("stream_options")
             usage = isinstance(options, dict) and options.get("include_usage") is True
             return await _stream(request, replica, request_id, tracked, sink, chat=chat, include_usage=usage)
-        return await _complete(replica, request_id, tracked, sink, chat=chat)
+        answer = await _complete(replica, request_id, tracked, sink, chat=chat)
+        if isinstance(leg, RemoteDecode):
+            answer = _prefill_answered(request, replica, request_id, answer)
+        return answer
     except ValueError as error:
         return _error(ApiError(str(error)))
     finally:
         for item in tracked:
             if not item.finished:
                 replica.driver.abort(item.request.request_id)
+
+
+def _leg(replica: Replica, body: dict[str, Any], prompts: list[list[int]]) -> RemoteDecode | RemotePrefill | None:
+    """Which leg of a disaggregated request this is, checked against the replica's role; raises ApiError."""
+    settings = replica.settings
+    try:
+        leg = parse_kv_transfer_params(body.get("kv_transfer_params"))
+    except KvTransferError as error:
+        raise ApiError(str(error)) from None
+    if leg is None:
+        return None
+    if len(prompts) != 1:
+        raise ApiError("'kv_transfer_params' takes a single prompt")
+    if isinstance(leg, RemoteDecode):
+        if settings.role == "decode":
+            raise ApiError(f"{settings.name} is a decode worker (kv_consumer): it does not prefill for a remote decode")
+        return leg
+    if settings.role == "prefill":
+        raise ApiError(f"{settings.name} is a prefill worker (kv_producer): it does not take remote prefills")
+    if not replica.peers.is_producer(leg.engine_id):
+        raise ApiError(f"'kv_transfer_params.remote_engine_id' {leg.engine_id!r} is not a known prefill worker")
+    blocks = -(-len(prompts[0]) // replica.engine.block_size)
+    if len(leg.block_ids) > blocks:
+        raise ApiError(f"'kv_transfer_params.remote_block_ids' has {len(leg.block_ids)} blocks, the prompt {blocks}")
+    return leg
+
+
+def _prefill_answered(request: web.Request, replica: Replica, request_id: str, answer: web.Response) -> web.Response:
+    """The prefill leg's answer with the params that point the decode worker here."""
+    assert answer.text is not None
+    body = json.loads(answer.text)
+    prompt = body["usage"]["prompt_tokens"]
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    host, port = (str(sockname[0]), int(sockname[1])) if isinstance(sockname, tuple) else ("127.0.0.1", 0)
+    blocks = list(range(-(-prompt // replica.engine.block_size)))
+    body["kv_transfer_params"] = prefill_answer(replica.settings.kv_engine_id, blocks, host, port, request_id)
+    if replica.faults.die_after_prefill:
+        replica.faults.dead = True
+    return web.json_response(body)
 
 
 def _usage(tracked: list[Tracked]) -> dict[str, Any]:
