@@ -60,6 +60,9 @@ class FakeBehaviour:
     """Send these kv_transfer_params instead of the NixlConnector-shaped ones (an empty dict: send none)."""
     reject_transfer: int | None = None
     """Answer requests carrying kv_transfer_params with do_remote_prefill with this status (a failed KV pull)."""
+    reject_transfer_streamed: bool = False
+    """Answer such requests as vLLM 0.32 does when its KV pull fails: streamed, 200 with one error event and
+    [DONE]; not streamed, a 500."""
 
 
 @dataclass
@@ -197,6 +200,15 @@ class FakeReplica:
                 return self._prefilled(chat, max(1, len(seen.body) // 4))
             if transfer.get("do_remote_prefill") and behaviour.reject_transfer is not None:
                 return self._error(behaviour.reject_transfer)
+            if transfer.get("do_remote_prefill") and behaviour.reject_transfer_streamed and not body.get("stream"):
+                return self._error(500)  # vLLM's non-streamed answer to a failed KV pull
+            if transfer.get("do_remote_prefill") and behaviour.reject_transfer_streamed:
+                failed = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+                await failed.prepare(request)
+                error = {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}
+                await failed.write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+                await failed.write_eof()
+                return failed
         self.in_flight += 1
         try:
             if behaviour.first_delay:

@@ -93,6 +93,9 @@ def test_legs_charge_the_load_book_once_each() -> None:
     prefill = pd.commit_prefill(plan, request, prefill_route, arrival=0.0)
     assert load.snapshot(prefill_route.name).pending_prefill_tokens == 3000
     decode = pd.commit_decode(plan, request, decode_route, arrival=0.0)
+    assert (prefill.leg, decode.leg) == ("prefill", "decode")
+    decode.served(0, 0.5)  # vLLM reports a transferred prompt as uncached: that says nothing of the prediction
+    assert decode.cached_tokens is None
     snapshot = load.snapshot(decode_route.name)
     assert snapshot.in_flight == 1 and snapshot.pending_prefill_tokens == 0  # the KV arrives; nothing to compute
     prefill.first_token(0.5)
@@ -116,3 +119,22 @@ def test_modes_off_and_fallbacks() -> None:
     assert unknown.split  # no tokenizer: the length is unknown, and `always` splits anyway
     pd, _, _ = planner(mode="conditional")
     assert pd.plan(RoutingFacts(None), ROUTES).split  # unknown length: split while a prefill worker is routable
+
+
+def test_backed_up_prefill_workers_keep_a_long_prompt_on_an_idle_decode_worker() -> None:
+    pd, _, load = planner(mode="conditional", threshold=256)
+    for worker in (P0, P1):
+        load.begin(worker, 200_000)  # minutes of queued prefill on both prefill workers
+    plan = pd.plan(facts(4000), ROUTES)
+    assert not plan.split and plan.reason == "prefill_busy" and plan.decode.chosen in (D0, D1)
+
+
+def test_a_long_prompt_is_split_when_computing_it_locally_would_stall_many_decodes() -> None:
+    pd, _, load = planner(mode="conditional", threshold=256)
+    for worker in (P0, P1):
+        load.begin(worker, 20_000)  # the prefill workers are a little behind...
+    for worker in (D0, D1):
+        for _ in range(64):  # ...but each decode worker has 64 requests decoding, which a local prefill would stall
+            load.first_token(load.begin(worker, 0))
+    plan = pd.plan(facts(4000), ROUTES)
+    assert plan.split and plan.reason == "split"

@@ -172,6 +172,28 @@ async def test_a_decode_worker_that_rejects_the_transfer_is_retried_whole(pd_fle
     assert await metric_value(client, "kvrouter_pd_fallbacks_total", reason="decode_refused") == 2
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_streamed_transfer_failure_is_retried_whole_even_on_the_same_decode_worker(
+    pd_fleet: PdFleet, stream: bool
+) -> None:
+    # One prefill and one decode worker; the decode worker's KV pull fails and vLLM says so inside a 200 stream (a
+    # non-streaming request is fetched as a stream and assembled, so it sees the same). The retry runs the request
+    # whole, and the decode worker may take it: its refusal was about the transfer, not about itself.
+    client, replicas = await pd_fleet("p0:prefill", "d0:decode", max_retries=1)
+    replicas["d0"].behaviour.reject_transfer_streamed = True
+    for _ in range(2):  # the first non-streaming request teaches the router the answer layout (sent whole)
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert response.status == 200 and response.headers["x-kvrouter-replica"] == "d0"
+        if stream:
+            text = await response.text()
+            assert '"error"' not in text and text.count("data: [DONE]") == 1
+        else:
+            assert (await response.json())["choices"][0]["message"]["content"]
+    bodies = [request.json() for request in replicas["d0"].completions_seen()]
+    assert [("kv_transfer_params" in body) for body in bodies] == [True, False, True, False]
+    assert await metric_value(client, "kvrouter_pd_fallbacks_total", reason="decode_refused") == 2
+
+
 async def test_a_prefill_4xx_goes_back_to_the_client_and_nothing_is_decoded(pd_fleet: PdFleet) -> None:
     client, replicas = await pd_fleet("p0:prefill", "d0:decode")
     replicas["p0"].behaviour.status = 400

@@ -32,7 +32,7 @@ and without becoming the session's replica (the decode worker holds the conversa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,11 +42,15 @@ from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.router import Route, Router, RoutingFacts
 from kvrouter.typedefs import DisaggMode
 
-PlanReason = Literal["aggregated", "short", "split", "no_prefill_worker", "no_decode_worker", "off"]
+PlanReason = Literal["aggregated", "short", "prefill_busy", "split", "no_prefill_worker", "no_decode_worker", "off"]
 """Why a plan is what it is: the fleet has no prefill workers (`aggregated`), the uncached prefill is short enough
-to run locally (`short`), it was split (`split`), no prefill worker is routable (`no_prefill_worker`: served whole
+to run locally (`short`), the prefill workers are so backed up that the decode worker would give the first token
+sooner (`prefill_busy`), it was split (`split`), no prefill worker is routable (`no_prefill_worker`: served whole
 on a decode-capable replica), no decode-capable one is (`no_decode_worker`: a prefill worker serves it whole) or the
 mode is `off`."""
+
+TTFT_ESTIMATE = "ttft_estimate_s"
+"""The breakdown entry in which kv_aware gives each candidate's expected time to first token."""
 
 KV_NEARLY_FULL = 0.9
 """A decode worker whose KV cache is this full is passed over while one with more room is routable: it would
@@ -111,6 +115,25 @@ class DecodeRanker:
         pass  # a decode leg's first token says nothing about prefill speed
 
 
+def _breakdown(decision: Decision) -> Mapping[str, float]:
+    chosen = decision.score_of(decision.chosen)
+    return {} if chosen is None else chosen.breakdown
+
+
+def _later(prefill: Decision, whole: Decision) -> bool:
+    """Whether splitting costs more waiting in all than serving whole: the first token's delay on the prefill
+    worker beyond the decode-capable replica's, against what computing the prompt there delays the requests
+    decoding there (each waits out the prefill, once). kv_aware gives the estimates; without them (other policies)
+    this is False and only the threshold decides."""
+    split, local = _breakdown(prefill), _breakdown(whole)
+    needed = (TTFT_ESTIMATE, "uncached_tokens", "prefill_tokens_per_s", "decode_requests")
+    if not all(key in split for key in needed[:1]) or not all(key in local for key in needed):
+        return False
+    own_delay_s = split[TTFT_ESTIMATE] - local[TTFT_ESTIMATE]
+    stall_s = local["decode_requests"] * local["uncached_tokens"] / max(local["prefill_tokens_per_s"], 1e-9)
+    return own_delay_s > stall_s
+
+
 def is_disaggregated(routes: Sequence[Route]) -> bool:
     """Whether any of `routes` is a prefill worker (only then are requests ever split)."""
     return any(route.role == "prefill" for route in routes)
@@ -145,9 +168,15 @@ class PdPlanner:
             return PdPlan(whole, None, "no_prefill_worker", local)
         if mode == "conditional" and local is not None and local <= self.settings.max_local_prefill_tokens:
             return PdPlan(whole, None, "short", local)
+        prefill_decision = router.decide(facts, prefill)
+        if mode == "conditional" and _later(prefill_decision, whole):
+            # The prefill workers are backed up: the first token would come later from them than from the decode
+            # worker computing the prompt itself, so this one runs whole (as Dynamo's conditional disaggregation
+            # keeps a prefill local while the prefill queue is long).
+            return PdPlan(whole, None, "prefill_busy", local)
         request = RouteRequest(prompt_tokens=facts.prompt_tokens, max_tokens=facts.max_tokens)
         decode = self.ranker.select(request, router.candidates(facts, decode_capable))
-        return PdPlan(decode, router.decide(facts, prefill), "split", local)
+        return PdPlan(decode, prefill_decision, "split", local)
 
     def _local_uncached(self, facts: RoutingFacts, whole: Decision) -> int | None:
         prompt = facts.prompt_tokens
@@ -159,14 +188,16 @@ class PdPlanner:
     def commit_prefill(self, plan: PdPlan, facts: RoutingFacts, route: Route, *, arrival: float | None) -> Routed:
         """The prefill leg of a split `plan`, on `route` (its chosen prefill worker)."""
         assert plan.prefill is not None, "only a split plan has a prefill leg"
-        return self.router.commit(plan.prefill, facts, route, arrival=arrival, session=False)
+        return self.router.commit(plan.prefill, facts, route, arrival=arrival, session=False, leg="prefill")
 
     def commit_decode(self, plan: PdPlan, facts: RoutingFacts, route: Route, *, arrival: float | None) -> Routed:
         """The answer's leg on `route`: a split plan's decode leg (its KV arrives, nothing to compute), or the
         whole request."""
         if plan.prefill is None:
             return self.router.commit(plan.decode, facts, route, arrival=arrival)
-        return self.router.commit(plan.decode, facts, route, arrival=arrival, policy=self.ranker, computes=0)
+        return self.router.commit(
+            plan.decode, facts, route, arrival=arrival, policy=self.ranker, computes=0, leg="decode"
+        )
 
 
 __all__ = ["KV_NEARLY_FULL", "DecodeRanker", "DisaggSettings", "PdPlan", "PdPlanner", "PlanReason", "is_disaggregated"]

@@ -29,11 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from kvrouter.policies.base import Decision, Policy
 from kvrouter.routing.load import LoadBook, Ticket
 from kvrouter.typedefs import BlockKey, ReplicaName
+
+Leg = Literal["whole", "prefill", "decode"]
+"""What a `Routed` carries: a whole request, or one leg of a disaggregated one (`kvrouter.routing.disagg`)."""
 
 
 class RequestListener(Protocol):
@@ -89,6 +92,9 @@ class Routed:
     finished_at: float | None = None
     generated_tokens: int | None = None
     """Tokens the engine generated, where its usage report said (set by the caller before `finish`)."""
+    leg: Leg = "whole"
+    """A decode leg's engine takes the prompt's KV by transfer and reports none of it as cached (vLLM counts only
+    its local prefix hits), so `served` ignores its report: it says nothing of the router's prediction."""
     _served: bool = field(default=False, repr=False)
 
     @property
@@ -107,7 +113,7 @@ class Routed:
             listener.on_first_token(self, now)
 
     def served(self, cached_tokens: int | None, now: float) -> None:
-        if self._served or self.finished_at is not None:
+        if self._served or self.finished_at is not None or self.leg == "decode":
             return
         self._served = True
         if cached_tokens is None:
@@ -125,4 +131,4 @@ class Routed:
             listener.on_finish(self, now)
 
 
-__all__ = ["EventListener", "RequestListener", "Routed", "tell_cleared"]
+__all__ = ["EventListener", "Leg", "RequestListener", "Routed", "tell_cleared"]

@@ -25,7 +25,7 @@ from kvrouter.blocks import cacheable_tokens, chain_keys
 from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
 from kvrouter.routing.adapters import serving
-from kvrouter.routing.lifecycle import RequestListener, Routed
+from kvrouter.routing.lifecycle import Leg, RequestListener, Routed
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.sessions import SessionTable
 from kvrouter.typedefs import BlockKey, ReplicaName, ReplicaRole, Tier
@@ -223,6 +223,7 @@ class Router:
         policy: Policy | None = None,
         computes: int | None = None,
         session: bool = True,
+        leg: Leg = "whole",
     ) -> Routed:
         """Act on `decision` for `route` (its chosen replica); `arrival` (default: now) is when the request came.
 
@@ -259,6 +260,7 @@ class Router:
             load=self.load,
             policy=policy,
             listeners=self.listeners,
+            leg=leg,
         )
         for listener in self.listeners:
             listener.on_commit(routed)

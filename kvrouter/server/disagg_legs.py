@@ -109,6 +109,24 @@ def transfer_params(body: bytes) -> dict[str, Any] | None:
     return params if isinstance(params, dict) and params else None
 
 
+def stream_error(first: bytes) -> bytes | None:
+    """The error object when a stream's first event is one (vLLM answers a decode leg whose KV pull failed with
+    200 and `data: {"error": {...}}`), as JSON bytes; None for an ordinary first event."""
+    head = first.lstrip()
+    if not head.startswith(b"data:"):
+        return None
+    line = head[5:].split(b"\n", 1)[0].strip()
+    if not line.startswith(b'{"error"') and not line.startswith(b'{ "error"'):
+        return None
+    try:
+        payload = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict) and len(payload) == 1:
+        return line
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillOutcome:
     params: dict[str, Any] | None = None
@@ -309,4 +327,12 @@ class PdLegs:
         return PrefillOutcome(params=params, replica=replica.name), "ok"
 
 
-__all__ = ["KV_TRANSFER_PARAMS", "REMOTE_DECODE", "PdLegs", "PdMetrics", "PrefillOutcome", "decode_request"]
+__all__ = [
+    "KV_TRANSFER_PARAMS",
+    "REMOTE_DECODE",
+    "PdLegs",
+    "PdMetrics",
+    "PrefillOutcome",
+    "decode_request",
+    "stream_error",
+]

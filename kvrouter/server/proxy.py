@@ -67,7 +67,7 @@ from kvrouter.server.assembly import (
     assemblable,
     assemble,
 )
-from kvrouter.server.disagg_legs import PdLegs, decode_request
+from kvrouter.server.disagg_legs import PdLegs, decode_request, stream_error
 from kvrouter.server.flow_gate import Admission, FlowGate
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
 from kvrouter.server.request_ids import RequestIds
@@ -343,7 +343,16 @@ class Proxy:
             replica.begin_attempt()
             try:
                 outcome = await self._forward(
-                    request, leg_raw, route, replica, routed, request_id, start, stream=parsed.stream, answer=answer
+                    request,
+                    leg_raw,
+                    route,
+                    replica,
+                    routed,
+                    request_id,
+                    start,
+                    stream=parsed.stream,
+                    answer=answer,
+                    decode_leg=routed.leg == "decode",
                 )
             finally:
                 replica.end_attempt()
@@ -352,10 +361,13 @@ class Proxy:
                 self._settle_5xx(answered_5xx, answered_elsewhere=True)
                 return outcome
             refused = outcome
-            if legs is not None and leg_raw is not raw:
-                # The decode worker refused the transfer before its first byte: the retry runs the request whole.
+            if legs is not None and routed.leg == "decode" and outcome.status:
+                # The decode worker answered that the transfer failed (the prefill worker died after answering, or
+                # lost the blocks): the retry runs the request whole, and that worker may take it (a refused
+                # connection, by contrast, keeps it excluded). Not charged as a 5xx of its own.
                 legs.metrics.fallbacks.labels("decode_refused").inc()
-            if outcome.server_error:
+                tried.remove(replica.name)
+            elif outcome.server_error:
                 answered_5xx.append((replica, outcome.reason))
             self.metrics.retries.labels(replica.name, "status" if outcome.status else "connect").inc()
             log.info("request %s: %s refused (%s)", request_id, replica.name, outcome.reason)
@@ -526,6 +538,7 @@ class Proxy:
         *,
         stream: bool = False,
         answer: AnswerFetch | None = None,
+        decode_leg: bool = False,
     ) -> web.StreamResponse | Refused:
         headers = upstream_headers(
             request.headers,
@@ -577,6 +590,13 @@ class Proxy:
                 except Stalled as stall:
                     self.replicas.record_stall(replica, str(stall))
                     return Refused(str(stall))
+                failed = stream_error(first) if decode_leg else None
+                if failed is not None:
+                    # vLLM answers a decode leg whose KV pull failed with 200 and one error event: nothing has
+                    # reached the client, so the request can still run whole elsewhere.
+                    self.replicas.reject(replica, "decode_leg_failed")
+                    error_headers = CIMultiDict({"Content-Type": "application/json", REQUEST_ID_HEADER: request_id})
+                    return Refused(f"decode leg failed: {failed[:200]!r}", 502, failed, error_headers)
                 replica.record_success()
                 replica.record_progress()
                 if answer is not None and answer.layout is not None:
