@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvrouter.flow.settings import FlowConfig
-from kvrouter.typedefs import ReplicaName, SessionMode
+from kvrouter.typedefs import DisaggMode, ReplicaName, ReplicaRole, SessionMode
 
 PolicyName = Literal["round_robin", "least_loaded", "kv_aware"]
 SessionKeySource = Literal["header", "user", "both", "off"]
@@ -130,6 +130,14 @@ class ReplicaConfig(BaseModel):
         default=None, ge=1, le=4096, description="Engine block size if it differs from the fleet's block_size."
     )
     weight: float = Field(default=1.0, gt=0, description="Relative capacity; a 2.0 replica takes twice the load.")
+    role: ReplicaRole = Field(
+        default="both",
+        description=(
+            "Disaggregated prefill/decode (docs/disaggregation.md): 'prefill' takes prefill legs only (vLLM with a "
+            "KV connector as producer or kv_both), 'decode' takes decode legs and, under conditional "
+            "disaggregation, short requests whole; 'both' (default) serves whole requests."
+        ),
+    )
 
     @field_validator("url")
     @classmethod
@@ -153,6 +161,39 @@ class ReplicaConfig(BaseModel):
     @property
     def base_url(self) -> str:
         return str(self.url).rstrip("/")
+
+
+class DisaggregationConfig(BaseModel):
+    """When a fleet that has prefill workers splits requests into a prefill leg and a decode leg."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: DisaggMode = Field(
+        default="conditional",
+        description=(
+            "'conditional': a request whose uncached prefill on the best decode-capable replica is at most "
+            "max_local_prefill_tokens runs there whole, longer ones are split; 'always': every request is split "
+            "while a prefill worker is routable; 'off': never split (prefill workers serve whole requests). Only "
+            "fleets with at least one role: prefill replica are affected."
+        ),
+    )
+    max_local_prefill_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Conditional mode: the most uncached prompt tokens a decode worker computes itself. Default: the "
+            "engine's pass budget (the router's kv_batch_tokens), so a local prefill holds its decode batch back "
+            "for at most one pass."
+        ),
+    )
+    prefill_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "The longest a prefill leg may take to answer; past it the leg is abandoned and the request runs whole "
+            "on a decode-capable replica."
+        ),
+    )
 
 
 class FleetConfig(BaseModel):
@@ -181,6 +222,10 @@ class FleetConfig(BaseModel):
         default_factory=FlowConfig,
         description="The router queue: saturation, priority bands, tenants and their weights (docs/flow-control.md).",
     )
+    disaggregation: DisaggregationConfig = Field(
+        default_factory=DisaggregationConfig,
+        description="Prefill/decode disaggregation for fleets with role: prefill replicas (docs/disaggregation.md).",
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> FleetConfig:
@@ -189,6 +234,9 @@ class FleetConfig(BaseModel):
             if replica.name in seen:
                 raise ValueError(f"replica name {replica.name!r} appears twice; names must be unique")
             seen.add(replica.name)
+        roles = {replica.role for replica in self.replicas}
+        if roles == {"prefill"}:
+            raise ValueError("every replica has role 'prefill': a decode-capable one (role decode or both) is needed")
         return self
 
     def block_size_of(self, replica: ReplicaConfig) -> int:

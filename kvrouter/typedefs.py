@@ -19,6 +19,13 @@ EngineBlockHash = NewType("EngineBlockHash", int)
 ReplicaName = NewType("ReplicaName", str)
 
 SessionMode = Literal["off", "soft", "sticky"]
+
+ReplicaRole = Literal["both", "prefill", "decode"]
+"""What a replica does in a disaggregated fleet (`kvrouter.routing.disagg`): whole requests, prefill legs only, or
+decode legs (and, under conditional disaggregation, short requests whole)."""
+
+DisaggMode = Literal["conditional", "always", "off"]
+"""When a fleet with prefill workers splits a request into a prefill leg and a decode leg."""
 """How a session's last replica weighs on its next request (`kvrouter.routing.sessions`)."""
 
 

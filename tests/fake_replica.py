@@ -53,6 +53,13 @@ class FakeBehaviour:
     """Pad /metrics with comment lines to about this size."""
     busy_engine: bool = False
     """vllm:generation_tokens_total rises on every scrape: the engine is computing something."""
+    pd_prefill: bool = True
+    """A request whose kv_transfer_params ask for a remote decode is answered as vLLM's NixlConnector prefill
+    instance answers: one token, and top-level kv_transfer_params saying where the prompt's KV is."""
+    prefill_params: dict[str, Any] | None = None
+    """Send these kv_transfer_params instead of the NixlConnector-shaped ones (an empty dict: send none)."""
+    reject_transfer: int | None = None
+    """Answer requests carrying kv_transfer_params with do_remote_prefill with this status (a failed KV pull)."""
 
 
 @dataclass
@@ -178,6 +185,18 @@ class FakeReplica:
             return hostile
         if behaviour.status != 200:
             return self._error(behaviour.status)
+        transfer = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if isinstance(transfer, dict):
+            if transfer.get("do_remote_decode") and behaviour.pd_prefill:
+                try:
+                    if behaviour.first_delay:
+                        await asyncio.sleep(behaviour.first_delay)
+                except asyncio.CancelledError:
+                    self.cancelled.append(request_id)
+                    raise
+                return self._prefilled(chat, max(1, len(seen.body) // 4))
+            if transfer.get("do_remote_prefill") and behaviour.reject_transfer is not None:
+                return self._error(behaviour.reject_transfer)
         self.in_flight += 1
         try:
             if behaviour.first_delay:
@@ -195,6 +214,35 @@ class FakeReplica:
             raise
         finally:
             self.in_flight -= 1
+
+    def _prefilled(self, chat: bool, prompt_tokens: int) -> web.Response:
+        params = self.behaviour.prefill_params
+        if params is None:
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [[1, 2, 3]],
+                "remote_engine_id": f"engine-{self.name}",
+                "remote_request_id": f"req-{self.name}",
+                "remote_host": "127.0.0.1",
+                "remote_port": self.port,
+                "tp_size": 1,
+            }
+        choice = {"index": 0, "text": "x", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}
+        payload: dict[str, Any] = {
+            "id": f"cmpl-{self.name}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [choice],
+            "usage": self._usage(prompt_tokens, 1),
+        }
+        if params:
+            payload["kv_transfer_params"] = params
+        self.finished.append("prefill")
+        return web.json_response(payload)
 
     def _whole(self, chat: bool, prompt_tokens: int) -> web.Response:
         text = "".join(self.words())

@@ -119,7 +119,7 @@ class AppFleetHooks:
     def reweight_replica(self, fleet: FleetConfig, replica: ReplicaConfig) -> None:
         state = self.replicas.by_name.get(replica.replica)
         if state is not None:
-            state.route = Route(state.name, fleet.block_size_of(replica), replica.weight)
+            state.route = Route(state.name, fleet.block_size_of(replica), replica.weight, replica.role)
             state.config = replica
 
 

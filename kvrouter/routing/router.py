@@ -26,7 +26,7 @@ from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
 from kvrouter.routing.lifecycle import RequestListener, Routed
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.sessions import SessionTable
-from kvrouter.typedefs import BlockKey, ReplicaName, Tier
+from kvrouter.typedefs import BlockKey, ReplicaName, ReplicaRole, Tier
 
 
 class PromptTokenizer(Protocol):
@@ -78,6 +78,8 @@ class Route:
     name: ReplicaName
     block_size: int
     weight: float = 1.0
+    role: ReplicaRole = "both"
+    """What the replica does in a disaggregated fleet (`kvrouter.routing.disagg`)."""
 
 
 @dataclass(slots=True)
@@ -199,12 +201,28 @@ class Router:
         replica = self.sessions.replica_of(facts.session, self.clock())
         return replica if replica is not None and any(route.name == replica for route in routes) else None
 
-    def commit(self, decision: Decision, facts: RoutingFacts, route: Route, *, arrival: float | None = None) -> Routed:
-        """Act on `decision` for `route` (its chosen replica); `arrival` (default: now) is when the request came."""
+    def commit(
+        self,
+        decision: Decision,
+        facts: RoutingFacts,
+        route: Route,
+        *,
+        arrival: float | None = None,
+        policy: Policy | None = None,
+        computes: int | None = None,
+        session: bool = True,
+    ) -> Routed:
+        """Act on `decision` for `route` (its chosen replica); `arrival` (default: now) is when the request came.
+
+        A leg of a disaggregated request (`kvrouter.routing.disagg`) overrides three things: the `policy` that made
+        the decision (and hears its outcome), the prompt tokens the replica `computes` (a decode leg receives its
+        KV and computes none; default: the prompt less what is predicted cached) and whether the replica becomes
+        the `session`'s last (the decode leg, not the prefill leg)."""
         now = self.clock()
-        self.policy.record(decision)
+        policy = self.policy if policy is None else policy
+        policy.record(decision)
         sessions = self.sessions
-        if sessions is not None and facts.session is not None:
+        if session and sessions is not None and facts.session is not None:
             hinted = sessions.replica_of(facts.session, now)
             had_hint = hinted is not None and decision.score_of(hinted) is not None
             sessions.count(hinted=had_hint, changed=decision.without_hint is not None)
@@ -225,9 +243,9 @@ class Router:
             prompt_tokens=prompt_tokens,
             predicted_cached=cached,
             arrival=now if arrival is None else arrival,
-            ticket=self.load.begin(route.name, max(0, prompt_tokens - cached)),
+            ticket=self.load.begin(route.name, max(0, prompt_tokens - cached) if computes is None else computes),
             load=self.load,
-            policy=self.policy,
+            policy=policy,
             listeners=self.listeners,
         )
         for listener in self.listeners:

@@ -38,6 +38,7 @@ from kvrouter.metrics import CalibrationCollector, CostSource, RouterMetrics, Se
 from kvrouter.policies import build_policy
 from kvrouter.redisplane.loadplane import LoadPlaneCollector, RedisLoadPlane, build_load_plane, instance_name
 from kvrouter.redisplane.wiring import build_follower
+from kvrouter.routing.disagg import DisaggSettings, PdPlanner
 from kvrouter.routing.lifecycle import EventListener, RequestListener, tell_cleared
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.overlays import overlays_from_settings
@@ -46,6 +47,7 @@ from kvrouter.routing.router import PrefixLookup, PromptTokenizer, Router
 from kvrouter.routing.sessions import SessionTable
 from kvrouter.routing.sharing import LoadShare, ShareLimits
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
+from kvrouter.server.disagg_legs import PdLegs
 from kvrouter.server.flow_gate import FlowGate
 from kvrouter.server.local_loadplane import LocalLoadPlane
 from kvrouter.server.proxy import Proxy
@@ -237,6 +239,27 @@ def create_app(
     flow = fleet.flow
     if settings.flow_control is not None:
         flow = flow.model_copy(update={"enabled": settings.flow_control})
+    disaggregated = any(replica.role == "prefill" for replica in fleet.replicas)
+    if disaggregated and flow.enabled:
+        # The queue's saturation rule counts one kind of replica; a fleet of prefill and decode workers would need
+        # one per role, so a disaggregated fleet runs without the router queue (docs/disaggregation.md).
+        log.warning("flow control is off: the fleet has prefill workers (role: prefill), which it does not cover")
+        flow = flow.model_copy(update={"enabled": False})
+    pd = fleet.disaggregation
+    planner = PdPlanner(
+        router,
+        DisaggSettings(pd.mode, pd.max_local_prefill_tokens or settings.kv_batch_tokens),
+        disaggregated=disaggregated,
+    )
+    legs = PdLegs(
+        planner,
+        replicas,
+        metrics.registry,
+        prefill_timeout_s=pd.prefill_timeout_s,
+        max_retries=settings.max_retries,
+        forward_authorization=settings.forward_authorization,
+        clock=clock,
+    )
     gate = FlowGate(
         flow,
         router=router,
@@ -246,7 +269,14 @@ def create_app(
         clock=clock,
     )
     proxy = Proxy(
-        settings=settings, router=router, replicas=replicas, load=load, metrics=metrics, clock=clock, gate=gate
+        settings=settings,
+        router=router,
+        replicas=replicas,
+        load=load,
+        metrics=metrics,
+        clock=clock,
+        gate=gate,
+        legs=legs,
     )
     app[SETTINGS] = settings
     app[FLEET] = fleet

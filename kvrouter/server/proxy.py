@@ -62,6 +62,7 @@ from kvrouter.server.assembly import (
     assemblable,
     assemble,
 )
+from kvrouter.server.disagg_legs import PdLegs, decode_request
 from kvrouter.server.flow_gate import Admission, FlowGate
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
 from kvrouter.server.request_ids import RequestIds
@@ -151,9 +152,12 @@ class Proxy:
         clock: Callable[[], float],
         request_ids: Callable[[], str] | None = None,
         gate: FlowGate | None = None,
+        legs: PdLegs | None = None,
     ) -> None:
         self.settings = settings
         self.gate = gate
+        self.legs = legs
+        """Disaggregated prefill/decode (kvrouter.server.disagg_legs); None: every request is served whole."""
         """The router queue (kvrouter.server.flow_gate); None: every request is sent at once."""
         self.request_ids = request_ids or RequestIds()
         self.router = router
@@ -295,12 +299,23 @@ class Proxy:
         tried: list[ReplicaName] = []
         refused: Refused | None = None
         answered_5xx: list[tuple[ReplicaState, str]] = []
+        legs = self.legs if self.legs is not None and self.legs.active else None
         for attempt in range(self.settings.max_retries + 1):
+            leg_parsed, leg_raw = parsed, raw
             if attempt == 0 and admission is not None and admission.dispatched is not None:
                 # Queued, then dispatched by the gate: it chose the replica and committed when capacity freed.
                 replica, routed = admission.dispatched.replica, admission.dispatched.routed
+            elif attempt == 0 and legs is not None:
+                first = await self._disaggregated(request, legs, raw, parsed, facts, request_id, start)
+                if isinstance(first, web.StreamResponse):
+                    return first
+                if first is None:
+                    break
+                replica, routed, leg_parsed, leg_raw = first
             else:
                 candidates = self.replicas.routable(exclude=tried)
+                if legs is not None:
+                    candidates = legs.decode_capable(candidates)
                 if not candidates:
                     break
                 began = self.clock()
@@ -316,11 +331,11 @@ class Proxy:
                 body = f" body {raw[:1000]!r}" if self.settings.log_prompts else ""
                 log.debug("request %s -> %s, predicted cached %d%s", request_id, replica.name, predicted, body)
             tried.append(replica.name)
-            answer = self._answer_plan(parsed, replica)
+            answer = self._answer_plan(leg_parsed, replica)
             replica.begin_attempt()
             try:
                 outcome = await self._forward(
-                    request, raw, route, replica, routed, request_id, start, stream=parsed.stream, answer=answer
+                    request, leg_raw, route, replica, routed, request_id, start, stream=parsed.stream, answer=answer
                 )
             finally:
                 replica.end_attempt()
@@ -329,6 +344,9 @@ class Proxy:
                 self._settle_5xx(answered_5xx, answered_elsewhere=True)
                 return outcome
             refused = outcome
+            if legs is not None and leg_raw is not raw:
+                # The decode worker refused the transfer before its first byte: the retry runs the request whole.
+                legs.metrics.fallbacks.labels("decode_refused").inc()
             if outcome.server_error:
                 answered_5xx.append((replica, outcome.reason))
             self.metrics.retries.labels(replica.name, "status" if outcome.status else "connect").inc()
@@ -343,6 +361,53 @@ class Proxy:
         self.metrics.requests.labels("none", route, "503").inc()
         unavailable = RequestError(message, status=503, code="no_replica_available", type_="server_error")
         return error_response(unavailable, request_id)
+
+    async def _disaggregated(
+        self,
+        request: web.Request,
+        legs: PdLegs,
+        raw: bytes,
+        parsed: ParsedRequest,
+        facts: RoutingFacts,
+        request_id: str,
+        start: float,
+    ) -> web.StreamResponse | tuple[ReplicaState, Routed, ParsedRequest, bytes] | None:
+        """The first attempt in a disaggregated fleet: the plan, the prefill leg of a split request, and the
+        answer's leg committed (the decode leg with the transfer parameters, or the request whole). A response:
+        the prefill worker's 4xx for the request; None: no replica is routable."""
+        routable = self.replicas.routable()
+        if not routable:
+            return None
+        began = self.clock()
+        plan = legs.plan(facts, parsed, routable)
+        self.metrics.decision_seconds.observe(self.clock() - began)
+        if plan.split:
+            headers = upstream_headers(
+                request.headers,
+                request.headers.items(),
+                request_id,
+                forward_authorization=self.settings.forward_authorization,
+            )
+            route = _ROUTES[parsed.endpoint]
+            outcome = await legs.prefill(self.client_session(), headers, plan, facts, parsed, route, request_id, start)
+            if outcome.answer is not None:
+                self.metrics.requests.labels(outcome.replica or "none", route, str(outcome.answer.status)).inc()
+                return outcome.answer
+            decode = self.replicas.by_name.get(plan.decode.chosen)
+            if outcome.params is not None and decode is not None and decode.routable:
+                leg_parsed, leg_raw = decode_request(parsed, outcome.params)
+                routed = legs.planner.commit_decode(plan, facts, decode.route, arrival=start)
+                return decode, routed, leg_parsed, leg_raw
+        # Served whole: the plan's replica, or (the prefill leg failed) the best decode-capable one now.
+        if plan.split:
+            candidates = legs.decode_capable(self.replicas.routable())
+            if not candidates:
+                return None
+            decision = self.router.decide(facts, [state.route for state in candidates])
+        else:
+            decision = plan.decode
+        replica = self.replicas.by_name[decision.chosen]
+        return replica, self.router.commit(decision, facts, replica.route, arrival=start), parsed, raw
 
     def _answer_plan(self, parsed: ParsedRequest, replica: ReplicaState) -> AnswerFetch | None:
         """How a non-streaming request's answer is fetched from `replica` (None: a streaming request)."""

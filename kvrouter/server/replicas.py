@@ -77,7 +77,7 @@ class ReplicaState:
         self.config = config
         self.name: ReplicaName = config.replica
         self.base_url = config.base_url
-        self.route = Route(self.name, block_size, config.weight)
+        self.route = Route(self.name, block_size, config.weight, config.role)
         self._breaker = breaker
         self._clock = clock
         self.consecutive_failures = 0

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kvrouter.metrics import RouterMetrics
     from kvrouter.routing.load import LoadBook
     from kvrouter.routing.router import Router
+    from kvrouter.server.disagg_legs import PdLegs
     from kvrouter.server.flow_gate import FlowGate
     from kvrouter.server.replicas import ReplicaSet, ReplicaState
 
@@ -55,6 +56,8 @@ class StatusHost(Protocol):
     def metrics(self) -> RouterMetrics: ...
     @property
     def gate(self) -> FlowGate | None: ...
+    @property
+    def legs(self) -> PdLegs | None: ...
     def check_client(self, request: web.Request) -> None: ...
     def check_admin(self, request: web.Request) -> None: ...
     def client_session(self) -> aiohttp.ClientSession: ...
@@ -155,9 +158,26 @@ class StatusEndpoints:
                 "replicas": reasons,
             }
         sessions, clock = self.proxy.router.sessions, self.proxy.router.clock
+        legs = self.proxy.legs
+        pd_view: dict[str, Any] | None = None
+        if legs is not None and legs.active:
+            plan = legs.planner.plan(facts, [replica.route for replica in candidates])
+            pd_view = {
+                "mode": legs.planner.settings.mode,
+                "plan": plan.reason,
+                "split": plan.split,
+                "prefill": None if plan.prefill is None else plan.prefill.chosen,
+                "decode": plan.decode.chosen,
+                "local_uncached_tokens": plan.local_uncached,
+                "max_local_prefill_tokens": legs.planner.settings.max_local_prefill_tokens,
+                "decode_candidates": [
+                    {"replica": c.replica, "score": c.score, **c.breakdown} for c in plan.decode.candidates
+                ],
+            }
         return web.json_response(
             {
-                "chosen": decision.chosen,
+                "chosen": decision.chosen if pd_view is None else pd_view["decode"],
+                "disaggregation": pd_view,
                 "policy": self.proxy.router.policy.name,
                 "session_mode": None if sessions is None else sessions.mode,
                 "session_replica": None if sessions is None else sessions.replica_of(facts.session, clock()),
