@@ -12,10 +12,13 @@ tiny model). What must hold, leg by leg:
 * the decode output equals the aggregated output of the same greedy request, which the decode engine computes
   itself once its prefix cache is reset and the request carries no params — the control that shows the counters
   tell the two apart (there every prompt token is `local_compute`).
+The last test puts kvrouter in front of the pair (`disaggregation: {mode: always}`): the same must hold for a request
+the router splits, and the router must count the split and the prefill leg.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -23,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm_support.harness import http_call
+from tests.vllm_support.harness import REPLICA_HEADER, RouterProcess, http_call
 from tests.vllm_support.pd import (
     PdServer,
     TransferCounters,
@@ -38,6 +41,8 @@ from tests.vllm_support.server import SERVED_MODEL
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 BLOCK = 32
+LEG_TIMEOUT_S = 300.0
+"""Generous: on a 2-core machine shared with other work one short prefill has taken over a minute."""
 
 
 def counters(server: PdServer) -> TransferCounters:
@@ -62,7 +67,7 @@ def reset(*servers: PdServer) -> None:
 
 
 def prefill_leg(prefill: PdServer, path: str, body: dict[str, Any], prompt_tokens: int | None) -> dict[str, Any]:
-    answer = http_call("POST", f"{prefill.url}{path}", prefill_body(body))
+    answer = http_call("POST", f"{prefill.url}{path}", prefill_body(body), timeout=LEG_TIMEOUT_S)
     assert answer.status == 200, answer.text[:500]
     response = answer.json()
     tokens = int(response["usage"]["prompt_tokens"])
@@ -128,12 +133,57 @@ def test_chat_decode_reads_the_prefill_kv(pd_pair: tuple[PdServer, PdServer]) ->
     prompt_tokens = int(pre["usage"]["prompt_tokens"])
 
     before = counters(decode)
-    answer = http_call("POST", f"{decode.url}/v1/chat/completions", decode_body(body, pre["kv_transfer_params"]))
+    answer = http_call(
+        "POST", f"{decode.url}/v1/chat/completions", decode_body(body, pre["kv_transfer_params"]), timeout=LEG_TIMEOUT_S
+    )
     assert answer.status == 200, answer.text[:500]
     decoded = answer.json()
     assert_read_over_nixl(delta_after(decode, before, prompt_tokens), prompt_tokens)
     assert decoded["usage"]["completion_tokens"] == 10 and decoded["kv_transfer_params"] is None, decoded
 
     reset(decode)
-    aggregated = http_call("POST", f"{decode.url}/v1/chat/completions", body).json()
+    aggregated = http_call("POST", f"{decode.url}/v1/chat/completions", body, timeout=LEG_TIMEOUT_S).json()
     assert decoded["choices"][0]["message"]["content"] == aggregated["choices"][0]["message"]["content"]
+
+
+def router_series(metrics_text: str, name: str, **labels: str) -> float:
+    """Sum of the series of `name` whose labels include `labels`."""
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text.splitlines()
+        if line.startswith(name + "{") and all(label in line for label in wanted)
+    )
+
+
+def test_router_splits_a_request_over_the_pair(pd_pair: tuple[PdServer, PdServer], pd_router: RouterProcess) -> None:
+    prefill, decode = pd_pair
+    reset(prefill, decode)
+    prompt = [random.Random(20).randrange(16, 8000) for _ in range(200)]
+    body = {
+        "model": SERVED_MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    router_before = http_call("GET", f"{pd_router.url}/metrics").text
+    prefill_before, decode_before = counters(prefill), counters(decode)
+
+    answer = http_call("POST", f"{pd_router.url}/v1/completions", body, timeout=LEG_TIMEOUT_S)
+    assert answer.status == 200, answer.text[:500]
+    assert answer.headers.get(REPLICA_HEADER) == decode.name, answer.headers
+    chunks = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12, chunks[-1]
+
+    assert_read_over_nixl(delta_after(decode, decode_before, len(prompt)), len(prompt))
+    computed = delta_after(prefill, prefill_before, len(prompt))
+    assert computed.local_compute == len(prompt) and computed.external_kv_transfer == 0, computed
+    router_after = http_call("GET", f"{pd_router.url}/metrics").text
+    for name, labels in (
+        ("kvrouter_pd_plans_total", {"plan": "split"}),
+        ("kvrouter_pd_prefill_legs_total", {"replica": prefill.name, "outcome": "ok"}),
+    ):
+        grown = router_series(router_after, name, **labels) - router_series(router_before, name, **labels)
+        assert grown == 1, (name, labels, grown)
+    assert router_series(router_after, "kvrouter_pd_fallbacks_total") == 0
+
+    reset(decode)
+    assert streamed_text(chunks) == streamed_text(stream_chunks(decode.url, "/v1/completions", body))

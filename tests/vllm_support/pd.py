@@ -4,8 +4,9 @@ The pair runs vLLM's NixlConnector with `kv_buffer_device` "cpu" (the only conne
 KV between two engines with no GPU: ExampleConnector only saves and loads files and answers no
 `kv_transfer_params`, P2pNccl is gone from 0.32's factory, Mooncake and LMCache need their own engines). The NIXL
 Python package (`nixl` + `nixl-cu12`, installed by .ci/setup-vllm.sh) brings UCX, whose plugin runs on a CPU-only
-host; the transfer between two processes of one machine goes through UCX's shared-memory transports, and its
-network devices are held to loopback (`UCX_NET_DEVICES=lo`).
+host; its network devices are held to loopback (`UCX_NET_DEVICES=lo`). An idle NIXL engine still burns most of a
+core (its worker measured 0.65-0.75 CPU-s/s between requests here; a plain engine's idles near 0.05), so a test
+module should hold the pair no longer than it needs it.
 
 The legs, as vLLM's own disaggregated proxy sends them: `prefill_body` turns the client's body into the prefill
 request (`kv_transfer_params` asking for a remote decode, `stream` false, `max_tokens` 1, the streaming and
@@ -13,7 +14,8 @@ length-floor fields dropped); the prefill engine answers with top-level `kv_tran
 the blocks holding the prompt's KV and its NIXL side channel; `decode_body` is the client's body plus those params.
 
 `PdServer` is a `VllmServer` with the connector's `--kv-transfer-config` and its own side-channel port (picked
-afresh on every start, as the prefill answer tells the decode engine where to find it). `start_pair` starts both.
+afresh on every start, as the prefill answer tells the decode engine where to find it). `start_pair` starts both;
+`write_pd_replicas_yaml` puts them in a kvrouter replicas.yaml with their roles.
 `transfer_counters` reads, from an engine's /metrics, the counters that tell whether a request's prompt KV came
 over the connector or was computed locally.
 """
@@ -29,8 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.vllm_support.harness import counter
-from tests.vllm_support.server import VllmServer, free_port, start_all
+import yaml
+
+from tests.vllm_support.harness import counter, http_call
+from tests.vllm_support.server import SERVED_MODEL, VllmServer, free_port, start_all
 
 NIXL_PRODUCER = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
 NIXL_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
@@ -109,7 +113,50 @@ def start_pair(
         for index, role in enumerate(("prefill", "decode"))
     )  # fmt: skip
     start_all([prefill, decode])
+    try:
+        for server in (prefill, decode):
+            warm_up(server)
+    except BaseException:
+        prefill.stop()
+        decode.stop()
+        raise
     return prefill, decode
+
+
+def warm_up(server: PdServer, timeout_s: float = 600.0) -> None:
+    """One short request, so an engine's first-pass costs (a minute on a busy 2-core machine) fall here."""
+    body = {"model": SERVED_MODEL, "prompt": list(range(16, 80)), "max_tokens": 1}
+    answer = http_call("POST", f"{server.url}/v1/completions", body, timeout=timeout_s)
+    if answer.status != 200:
+        raise RuntimeError(f"{server.name}: warm-up answered {answer.status}: {answer.text[:300]}")
+    http_call("POST", f"{server.url}/reset_prefix_cache")
+
+
+def write_pd_replicas_yaml(
+    path: Path, prefill: PdServer, decode: PdServer, tokenizer: Path, *, mode: str = "always"
+) -> Path:
+    """A kvrouter replicas.yaml for the pair: roles prefill and decode, each with its KV events, and the mode."""
+    fleet = {
+        "model": SERVED_MODEL,
+        "tokenizer": str(tokenizer),
+        "block_size": prefill.block_size,
+        "replicas": [
+            {
+                "name": server.name,
+                "url": server.url,
+                "role": server.role,
+                "kv_events": {
+                    "endpoint": server.events_endpoint,
+                    "replay_endpoint": server.replay_endpoint,
+                    "topic": server.topic,
+                },
+            }
+            for server in (prefill, decode)
+        ],
+        "disaggregation": {"mode": mode},
+    }
+    path.write_text(yaml.safe_dump(fleet, sort_keys=False))
+    return path
 
 
 @dataclass(frozen=True)
@@ -147,7 +194,7 @@ def transfer_counters(metrics_text: str) -> TransferCounters:
     )
 
 
-def stream_chunks(base_url: str, path: str, body: Mapping[str, Any], timeout_s: float = 120.0) -> list[dict[str, Any]]:
+def stream_chunks(base_url: str, path: str, body: Mapping[str, Any], timeout_s: float = 300.0) -> list[dict[str, Any]]:
     """POST a streaming request; every `data:` chunk parsed, in order ([DONE] left out)."""
     parsed = urllib.parse.urlsplit(base_url)
     connection = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout_s)

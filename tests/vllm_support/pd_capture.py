@@ -8,7 +8,8 @@ tiny model, then, each on empty prefix caches:
 * chat completions: the prefill leg, the decode leg not streamed, the same request aggregated;
 * the decode leg sent twice with the same `kv_transfer_params`, the prefill engine's blocks overwritten between
   (what a retry that reuses them gets);
-* a decode leg whose `kv_transfer_params` name an unknown engine on a side channel nobody listens on;
+* a decode leg whose `kv_transfer_params` name an unknown engine on a side channel nobody listens on, plain and
+  streamed;
 * a decode leg after the prefill engine that answered it has died (last: it stops the prefill server).
 Every exchange is written as it went over the wire (request body, status, response body; a stream's `data:` lines
 each parsed), with the decode engine's /metrics counters before and after. `capture.json` holds the versions,
@@ -207,6 +208,16 @@ def main(argv: list[str]) -> int:
         unreachable = exchange(decode.url, "/v1/completions", decode_body(retry_body, params), timeout_s=90)
         unreachable["decode_engine_counters_delta"] = asdict(counters(decode).minus(before))
         files["decode_unreachable_prefill"] = {"prefill": stranger_pre, "decode": unreachable}
+        # The same, streamed: does the refusal come before the answer's status line, or inside a 200 stream?
+        reset(prefill, decode)
+        stream_body = {**retry_body, "stream": True, "stream_options": {"include_usage": True}}
+        stream_pre = exchange(prefill.url, "/v1/completions", prefill_body(stream_body))
+        params = dict(stream_pre["response"]["kv_transfer_params"])
+        params.update(remote_engine_id="00000000-0000-4000-8000-000000000001", remote_port=free_port())
+        before = counters(decode)
+        refused = exchange(decode.url, "/v1/completions", decode_body(stream_body, params), timeout_s=90)
+        refused["decode_engine_counters_delta"] = asdict(counters(decode).minus(before))
+        files["decode_unreachable_prefill_stream"] = {"prefill": stream_pre, "decode": refused}
 
         # The prefill engine dies after answering: its KV is gone before the decode engine reads it.
         reset(prefill, decode)
