@@ -7,8 +7,11 @@ Two sources of configuration, kept apart on purpose:
 * `FleetConfig` (replicas.yaml): what the fleet is — the replicas, their KV-event endpoints, the model's
   tokenizer and the engine block size. Operators reload it live; settings need a restart.
 
-`load_fleet(path)` is the only way to read replicas.yaml; it raises `ConfigError` with one message naming the
-file, the field and what was expected, which the CLI prints before exiting with code 2.
+A replicas.yaml may instead hold a `models:` list of fleets (`ModelsConfig`, read by `load_router_config`): one
+router serves them all, dispatching each request by its `model` (kvrouter/server/fleets.py).
+
+`load_fleet(path)` reads a one-fleet replicas.yaml (`load_router_config` either shape); both raise `ConfigError`
+with one message naming the file, the field and what was expected, which the CLI prints before exiting with code 2.
 """
 
 from __future__ import annotations
@@ -138,6 +141,13 @@ class ReplicaConfig(BaseModel):
             "disaggregation, short requests whole; 'both' (default) serves whole requests."
         ),
     )
+    lora_adapters: list[str] = Field(
+        default_factory=list,
+        description=(
+            "LoRA adapters this replica serves besides the fleet's own `lora_adapters` (served by every replica): "
+            "a request naming one goes only to replicas that serve it (docs/multi-model.md)."
+        ),
+    )
 
     @field_validator("url")
     @classmethod
@@ -203,7 +213,21 @@ class FleetConfig(BaseModel):
 
     replicas: list[ReplicaConfig] = Field(min_length=1, description="The replicas to route to.")
     model: str | None = Field(
-        default=None, description="Served model name (what clients put in 'model'); informational."
+        default=None,
+        description=(
+            "Served model name (what clients put in 'model'): informational with one fleet; in a `models:` list "
+            "it is required and requests are dispatched by it."
+        ),
+    )
+    aliases: list[str] = Field(
+        default_factory=list,
+        description=(
+            "More served names of this fleet's model (a `models:` list dispatches them here); the request is "
+            "forwarded unchanged, so the replicas must serve them too (vLLM's --served-model-name NAME ALIAS...)."
+        ),
+    )
+    policy: PolicyName | None = Field(
+        default=None, description="This fleet's routing policy instead of the router's `policy` setting."
     )
     tokenizer: str | None = Field(
         default=None,
@@ -242,6 +266,56 @@ class FleetConfig(BaseModel):
     def block_size_of(self, replica: ReplicaConfig) -> int:
         return replica.block_size or self.block_size
 
+    def adapters_of(self, replica: ReplicaConfig) -> frozenset[str]:
+        """The LoRA adapters `replica` serves: the fleet's and its own."""
+        return frozenset(self.lora_adapters) | frozenset(replica.lora_adapters)
+
+    @property
+    def all_adapters(self) -> frozenset[str]:
+        """Every LoRA adapter some replica of the fleet serves."""
+        served = set(self.lora_adapters)
+        for replica in self.replicas:
+            served.update(replica.lora_adapters)
+        return frozenset(served)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """What a request's `model` may name to reach this fleet: the model, its aliases, its adapters."""
+        names = [] if self.model is None else [self.model]
+        return (*names, *self.aliases, *sorted(self.all_adapters))
+
+
+class ModelsConfig(BaseModel):
+    """A replicas.yaml with a `models:` list: several fleets behind one router, dispatched by the request's
+    `model` (docs/multi-model.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    models: list[FleetConfig] = Field(min_length=1, description="The fleets, one per served model.")
+
+    @model_validator(mode="after")
+    def _unique_across_fleets(self) -> ModelsConfig:
+        replicas: set[str] = set()
+        names: dict[str, int] = {}
+        for position, fleet in enumerate(self.models):
+            if fleet.model is None:
+                raise ValueError(f"models[{position}] has no 'model': each fleet of a models list names its model")
+            for replica in fleet.replicas:
+                if replica.name in replicas:
+                    raise ValueError(
+                        f"replica name {replica.name!r} appears in two fleets; names must be unique across fleets "
+                        "(they label metrics)"
+                    )
+                replicas.add(replica.name)
+            for name in dict.fromkeys(fleet.served_names):
+                if name in names:
+                    raise ValueError(
+                        f"model name {name!r} is served by models[{names[name]}] and models[{position}]; each model "
+                        "name, alias and LoRA adapter must belong to one fleet"
+                    )
+                names[name] = position
+        return self
+
 
 def _format_validation_error(path: Path, error: ValidationError) -> str:
     first = error.errors()[0]
@@ -255,6 +329,11 @@ def _format_validation_error(path: Path, error: ValidationError) -> str:
 def parse_fleet(data: object, source: Path) -> FleetConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping with a 'replicas' list at the top level")
+    if "models" in data:
+        raise ConfigError(
+            f"{source}: has a 'models' list (several fleets); this needs a router started with it "
+            "(`kvrouter serve --replicas`), and a running router cannot switch to it live"
+        )
     try:
         return FleetConfig.model_validate(data)
     except ValidationError as error:
@@ -272,9 +351,41 @@ def load_fleet(path: str | Path) -> FleetConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise ConfigError(f"{source}: not valid YAML: {error}") from None
-    fleet = parse_fleet(data, source)
+    return _resolve_tokenizer(parse_fleet(data, source), source)
+
+
+def parse_models(data: object, source: Path) -> ModelsConfig:
+    """A `models:` file; `ConfigError` names the fleet's position and field on error."""
+    if not isinstance(data, dict) or "models" not in data:
+        raise ConfigError(f"{source}: expected a mapping with a 'models' list at the top level")
+    if "replicas" in data:
+        raise ConfigError(f"{source}: has both 'replicas' (one fleet) and 'models' (several); keep one")
+    try:
+        return ModelsConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(source, error)) from None
+
+
+def load_router_config(path: str | Path) -> FleetConfig | ModelsConfig:
+    """Read replicas.yaml in either shape: one fleet (top-level `replicas:`, as `load_fleet`) or a `models:` list
+    of fleets; relative tokenizer paths resolve against the file's directory."""
+    source = Path(path)
+    try:
+        data = yaml.safe_load(source.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError(f"{source}: cannot read the file: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: not valid YAML: {error}") from None
+    if not (isinstance(data, dict) and "models" in data):
+        return _resolve_tokenizer(parse_fleet(data, source), source)
+    models = parse_models(data, source)
+    fleets = [_resolve_tokenizer(fleet, source) for fleet in models.models]
+    return models.model_copy(update={"models": fleets})
+
+
+def _resolve_tokenizer(fleet: FleetConfig, source: Path) -> FleetConfig:
     if fleet.tokenizer is not None and not Path(fleet.tokenizer).is_absolute():
-        fleet = fleet.model_copy(update={"tokenizer": str((source.parent / fleet.tokenizer).resolve())})
+        return fleet.model_copy(update={"tokenizer": str((source.parent / fleet.tokenizer).resolve())})
     return fleet
 
 

@@ -1,7 +1,7 @@
 """Generate the configuration and metrics references from the code, so they cannot drift from it.
 
 `render_configuration()` walks `Settings` (with each field's ``KVROUTER_*`` variable and, when the serve command
-defines one, its flag) and the replicas.yaml models (`FleetConfig`, `ReplicaConfig`, `KvEventsConfig`), and
+defines one, its flag) and the replicas.yaml models (`FleetConfig`, `ModelsConfig`, `ReplicaConfig`, ...), and
 writes one table per model: name, type, default, constraints, description. A nested model field gets its own
 table. `render_metrics()` builds the application twice — embedded ZMQ events and Redis events — on fresh
 registries (nothing is started or connected) and lists every collector: exposed name, type, labels, help, and the
@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from kvrouter.config import FleetConfig, KvEventsConfig, ReplicaConfig, Settings
+from kvrouter.config import DisaggregationConfig, FleetConfig, KvEventsConfig, ModelsConfig, ReplicaConfig, Settings
 from kvrouter.flow.settings import BandConfig, FlowConfig, TenantConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -242,7 +242,16 @@ def render_configuration() -> str:
         out += ["", f"### {nested.__name__}", "", _doc_line(nested), ""]
         out += _settings_table(nested, f"{ENV_PREFIX}{field_name.upper()}{delimiter}", {}, delimiter)
     out += ["", "## replicas.yaml", ""]
-    for model in (FleetConfig, ReplicaConfig, KvEventsConfig, FlowConfig, BandConfig, TenantConfig):
+    for model in (
+        FleetConfig,
+        ModelsConfig,
+        ReplicaConfig,
+        KvEventsConfig,
+        DisaggregationConfig,
+        FlowConfig,
+        BandConfig,
+        TenantConfig,
+    ):
         out += [f"### {model.__name__}", "", _doc_line(model), ""]
         out += _model_table(model, RESTART_FIELDS if model is FleetConfig else frozenset())
         out.append("")
@@ -256,6 +265,26 @@ def render_configuration() -> str:
         "```",
         "",
         "A production example is [deploy/replicas.yaml](../deploy/replicas.yaml).",
+        "",
+        "Several models behind one router: a `models:` list of fleets instead of `replicas:` "
+        "([multi-model.md](multi-model.md)):",
+        "",
+        "```yaml",
+        "models:",
+        "  - model: llama-8b",
+        "    tokenizer: /models/llama-8b",
+        "    lora_adapters: [support-style]      # served by every replica of this fleet",
+        "    replicas:",
+        '      - {name: l0, url: "http://10.0.0.5:8000", lora_adapters: [sql]}',
+        '      - {name: l1, url: "http://10.0.0.6:8000"}',
+        "  - model: qwen-32b",
+        "    aliases: [qwen]",
+        "    tokenizer: /models/qwen-32b",
+        "    block_size: 32",
+        "    policy: least_loaded",
+        "    replicas:",
+        '      - {name: q0, url: "http://10.0.0.7:8000"}',
+        "```",
         "",
     ]
     return "\n".join(out)

@@ -111,6 +111,12 @@ class RouterMetrics:
             ["replica"],
             registry=registry,
         )
+        self.lora_unavailable = Counter(
+            "kvrouter_lora_unavailable",
+            "Requests naming a LoRA adapter that no routable replica serves (answered 503), by adapter.",
+            ["adapter"],
+            registry=registry,
+        )
         self.retries = Counter(
             "kvrouter_retries",
             "Attempts abandoned before any byte reached the client, by replica and reason.",

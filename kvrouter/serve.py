@@ -1,8 +1,9 @@
 """`kvrouter [serve] --replicas replicas.yaml`: run the router.
 
 Settings come from the environment (`KVROUTER_*`) with command-line flags on top; replicas.yaml is read with
-`load_fleet`. Any bad file or value ends the process with exit code 2 and one line on stderr that names the
-file or setting, the field and what was expected. The server runs on uvloop with handler cancellation (a client
+`load_router_config` (one fleet, or a `models:` list of fleets: kvrouter/server/fleets.py). Any bad file or
+value ends the process with exit code 2 and one line on stderr that names the file or setting, the field and
+what was expected. The server runs on uvloop with handler cancellation (a client
 that disconnects cancels its request upstream), freezes its start-up heap out of the garbage collector's
 full passes (a tail-latency spike otherwise), and shuts down gracefully on SIGTERM/SIGINT: it stops accepting,
 gives in-flight requests `shutdown_grace_s` to finish, then stops background work.
@@ -20,8 +21,8 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from kvrouter.config import POLICY_NAMES, ConfigError, FleetConfig, Settings, load_fleet
-from kvrouter.server.app import create_app
+from kvrouter.config import POLICY_NAMES, ConfigError, FleetConfig, ModelsConfig, Settings, load_router_config
+from kvrouter.server.fleets import build_router_app
 from kvrouter.server.serving import loop_factory, serve
 
 log = logging.getLogger("kvrouter")
@@ -75,11 +76,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ConfigError(f"environment: {error}") from None
 
 
-def load_configuration(args: argparse.Namespace) -> tuple[Settings, FleetConfig]:
+def load_configuration(args: argparse.Namespace) -> tuple[Settings, FleetConfig | ModelsConfig]:
     settings = settings_from_args(args)
     if settings.replicas is None:
         raise ConfigError("setting 'replicas' (--replicas / KVROUTER_REPLICAS): a replicas.yaml path is required")
-    return settings, load_fleet(settings.replicas)
+    return settings, load_router_config(settings.replicas)
 
 
 def one_line(message: str) -> str:
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         settings, fleet = load_configuration(args)
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         # Built before the loop starts so a policy or tokenizer problem is a configuration error (exit 2).
-        app = create_app(settings, fleet)
+        app = build_router_app(settings, fleet)
         if settings.workers > 1:
             from kvrouter.server.workers import check_workers
 

@@ -46,8 +46,9 @@ def _training_text() -> Iterator[str]:
             continue
 
 
-def build_tokenizer(target: str | Path) -> Path:
-    """Train and save the tokenizer into `target` (created; replaced atomically if it exists)."""
+def build_tokenizer(target: str | Path, vocab_size: int = VOCAB_SIZE) -> Path:
+    """Train and save the tokenizer into `target` (created; replaced atomically if it exists); another
+    `vocab_size` makes another tokenizer (other token ids for the same text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -56,7 +57,7 @@ def build_tokenizer(target: str | Path) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

@@ -93,7 +93,7 @@ class AppFleetHooks:
             self.replicas.draining.discard(name)
 
     async def add_replica(self, fleet: FleetConfig, replica: ReplicaConfig) -> None:
-        self.replicas.add(replica, fleet.block_size_of(replica))
+        self.replicas.add(replica, fleet.block_size_of(replica), fleet.adapters_of(replica))
         if self.events is not None:
             await self.events.follow(fleet, replica)
         elif replica.kv_events is not None:
@@ -119,7 +119,9 @@ class AppFleetHooks:
     def reweight_replica(self, fleet: FleetConfig, replica: ReplicaConfig) -> None:
         state = self.replicas.by_name.get(replica.replica)
         if state is not None:
-            state.route = Route(state.name, fleet.block_size_of(replica), replica.weight, replica.role)
+            state.route = Route(
+                state.name, fleet.block_size_of(replica), replica.weight, fleet.adapters_of(replica), replica.role
+            )
             state.config = replica
 
 

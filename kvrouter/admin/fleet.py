@@ -49,7 +49,8 @@ class ReloadPlan:
     added: tuple[ReplicaConfig, ...] = ()
     removed: tuple[ReplicaName, ...] = ()
     replaced: tuple[ReplicaConfig, ...] = ()
-    """Same name, different URL, events endpoint or block size: a different engine as far as the index knows."""
+    """Same name, different URL, events endpoint, block size or LoRA adapters: a different engine as far as the
+    index knows."""
     reweighted: tuple[ReplicaConfig, ...] = ()
     unchanged: tuple[ReplicaName, ...] = ()
 
@@ -75,6 +76,9 @@ def plan_reload(current: FleetConfig, new: FleetConfig) -> ReloadPlan:
             f"{', '.join(changed)} changed; every block key depends on "
             f"{'it' if len(changed) == 1 else 'them'}, so restart the router to apply this file"
         )
+    if current.all_adapters != new.all_adapters:
+        # A request naming an adapter is keyed by it: which names are adapters is fixed when the router starts.
+        raise ReloadRefused("the set of LoRA adapter names changed; restart the router to apply this file")
     if current.flow != new.flow:
         # Bands and tenants key the requests waiting now; the queue is built once, at start.
         raise ReloadRefused("the flow section changed; restart the router to apply it (docs/flow-control.md)")
@@ -95,6 +99,7 @@ def plan_reload(current: FleetConfig, new: FleetConfig) -> ReloadPlan:
             current.block_size_of(before) != new.block_size_of(replica)
             or before.url != replica.url
             or (before.kv_events != replica.kv_events)
+            or before.lora_adapters != replica.lora_adapters
         ):
             replaced.append(replica)
         else:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvrouter.policies.base import Candidate, CandidateScore, Decision, RouteRequest
+from kvrouter.routing.adapters import serving
 from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.router import Route, Router, RoutingFacts
 from kvrouter.typedefs import DisaggMode
@@ -126,6 +127,7 @@ class PdPlanner:
     def plan(self, facts: RoutingFacts, routes: Sequence[Route]) -> PdPlan:
         """The plan for a request among `routes` (the routable replicas, non-empty). No side effects."""
         router = self.router
+        routes = serving(routes, facts.lora) or list(routes)  # (none serving: decide says so)
         if not self.disaggregated:
             return PdPlan(router.decide(facts, routes), None, "aggregated")
         prefill = [route for route in routes if route.role == "prefill"]

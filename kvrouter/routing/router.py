@@ -1,7 +1,8 @@
 """The routing core shared by the live proxy and virtual-time replay: one implementation, two clocks.
 
 `Router.facts` turns a parsed request into `RoutingFacts` (exact token ids, off the event loop, via the
-`PromptTokenizer`); `Router.decide` asks the prefix index how much of the prompt each candidate holds (and in which
+`PromptTokenizer`); `Router.decide` keeps the candidates that serve the request's LoRA adapter
+(`kvrouter.routing.adapters`), asks the prefix index how much of the prompt each candidate holds (and in which
 tier), applies the engine's cached-token rule, reads each replica's load from the `LoadBook`, looks up the replica
 that served the request's session last (`kvrouter.routing.sessions`: a soft hint for the policy, or the choice
 itself in sticky mode) and lets the policy choose — with no side effects, so `/debug/route` can call it;
@@ -23,6 +24,7 @@ from typing import Protocol
 from kvrouter.blocks import cacheable_tokens, chain_keys
 from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
+from kvrouter.routing.adapters import serving
 from kvrouter.routing.lifecycle import RequestListener, Routed
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.sessions import SessionTable
@@ -78,6 +80,8 @@ class Route:
     name: ReplicaName
     block_size: int
     weight: float = 1.0
+    lora_adapters: frozenset[str] | None = None
+    """The LoRA adapters the replica serves (`kvrouter.routing.adapters`); None: placement unknown, all of them."""
     role: ReplicaRole = "both"
     """What the replica does in a disaggregated fleet (`kvrouter.routing.disagg`)."""
 
@@ -174,8 +178,16 @@ class Router:
             result.append(Candidate(route.name, cached, self.load.snapshot(route.name), route.weight, *lower))
         return result
 
+    def serving(self, facts: RoutingFacts, routes: Sequence[Route]) -> list[Route]:
+        """The routes that may take the request: those serving its LoRA adapter, if it names one."""
+        return serving(routes, facts.lora)
+
     def decide(self, facts: RoutingFacts, routes: Sequence[Route]) -> Decision:
-        """Choose among `routes` (non-empty). No side effects."""
+        """Choose among `routes` that serve the request's adapter (at least one must: see `serving`). No side
+        effects."""
+        routes = serving(routes, facts.lora)
+        if not routes:
+            raise ValueError(f"no candidate serves the LoRA adapter {facts.lora!r}")
         hinted = self._hint(facts, routes)
         sticky = self.sessions is not None and self.sessions.mode == "sticky"
         request = RouteRequest(

@@ -68,6 +68,8 @@ ROUTER = web.AppKey("router", Router)
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 PROXY = web.AppKey("proxy", Proxy)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+INDEX = web.AppKey("index", PrefixIndex)
+"""The fleet's prefix index, when it has one (set with a tokenizer or without: events fill it either way)."""
 
 
 @dataclass(slots=True)
@@ -164,8 +166,10 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     clock: Callable[[], float] = time.monotonic,
+    reload_on_sighup: bool = True,
 ) -> web.Application:
-    """A ready-to-run application; the caller runs it (with handler cancellation, see `kvrouter.serve`)."""
+    """A ready-to-run application; the caller runs it (with handler cancellation, see `kvrouter.serve`).
+    `reload_on_sighup` False: SIGHUP is not this app's (one fleet of several, `kvrouter.server.fleets`)."""
     metrics = RouterMetrics(registry if registry is not None else CollectorRegistry(auto_describe=True))
     # The client edge reads every body first (outermost middleware) and bounds connections (kvrouter/client_limits).
     edge = ClientEdge(EdgeLimits.from_settings(settings, soft_fd_limit()), metrics)
@@ -210,7 +214,7 @@ def create_app(
             )
             metrics.registry.register(LoadPlaneCollector(plane))
         prefix.contexts.append(plane.context)
-    policy = build_policy(settings.policy, settings, clock=clock)
+    policy = build_policy(fleet.policy or settings.policy, settings, clock=clock)
     sessions = None
     if settings.session_mode != "off" and settings.session_key_from != "off":
         sessions = SessionTable(
@@ -223,7 +227,7 @@ def create_app(
         index=prefix.lookup,
         tokenizer=prefix.tokenizer,
         hash_seed=fleet.hash_seed,
-        lora_adapters=fleet.lora_adapters,
+        lora_adapters=fleet.all_adapters,
         listeners=[*prefix.request_listeners, quality, *([share] if share is not None else [])],
         sessions=sessions,
         clock=clock,
@@ -285,6 +289,8 @@ def create_app(
     app[ROUTER] = router
     app[REPLICAS] = replicas
     app[PROXY] = proxy
+    if prefix.index is not None:
+        app[INDEX] = prefix.index
     proxy.add_routes(app)
     if isinstance(prefix.events, EmbeddedEvents):
         app[EVENT_STREAMS] = prefix.events
@@ -301,6 +307,7 @@ def create_app(
         events=prefix.events,
         redis_url=settings.redis_url,
         forget=forget,
+        reload_on_sighup=reload_on_sighup,
     )
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_replica_watch)

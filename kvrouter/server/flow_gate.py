@@ -39,6 +39,7 @@ from kvrouter.flow.settings import FlowConfig
 from kvrouter.metrics import LATENCY_BUCKETS
 from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.policies.base import Decision
+from kvrouter.routing.adapters import unavailable as adapter_unavailable
 from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.router import Router, RoutingFacts
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
@@ -300,7 +301,12 @@ class FlowGate:
             pending = waiter.payload
             if pending.future.done():
                 continue
-            decision = self.router.decide(pending.facts, [replica.route for replica in routable])
+            routes = self.router.serving(pending.facts, [replica.route for replica in routable])
+            if not routes:
+                assert pending.facts.lora is not None
+                pending.future.set_exception(adapter_unavailable(pending.facts.lora))
+                continue
+            decision = self.router.decide(pending.facts, routes)
             replica = self.replicas.by_name[decision.chosen]
             routed = self.router.commit(decision, pending.facts, replica.route, arrival=now)
             band = self.config.bands[waiter.flow.band].name

@@ -15,6 +15,9 @@ policy (kv_tune) and the learning overlays (kv_feedback) hear it from there. A c
 handler (the server runs with handler cancellation), which closes the upstream connection at once so the engine
 stops generating.
 
+A request naming a LoRA adapter is tried only on replicas that serve it (`kvrouter.routing.adapters`); with none
+routable it is a 503 that names the adapter, counted in `kvrouter_lora_unavailable_total`.
+
 A request's session key (`x-session-id` or `user`, `session_key_from`) travels in its routing facts: the session's
 last replica is a hint for the policy (`kvrouter.routing.sessions`); a malformed `x-session-id` is a 400.
 
@@ -50,6 +53,8 @@ from kvrouter.config import Settings
 from kvrouter.flow.classes import FlowClass
 from kvrouter.metrics import RouterMetrics
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
+from kvrouter.routing.adapters import serves
+from kvrouter.routing.adapters import unavailable as adapter_unavailable
 from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.load import LoadBook, Ticket
 from kvrouter.routing.router import Router, RoutingFacts
@@ -256,12 +261,15 @@ class Proxy:
     # -- completions ----------------------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._completion(request, "chat")
+        return await self.completion(request, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._completion(request, "completion")
+        return await self.completion(request, "completion")
 
-    async def _completion(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def completion(
+        self, request: web.Request, endpoint: Endpoint, parsed: ParsedRequest | None = None
+    ) -> web.StreamResponse:
+        """`parsed`: the body as already parsed where it was read (the model dispatch, kvrouter.server.fleets)."""
         start = self.clock()
         request_id = request.headers.get(REQUEST_ID_HEADER) or self.request_ids()
         if self.active >= self.settings.max_concurrency:
@@ -271,7 +279,7 @@ class Proxy:
         try:
             self.check_client(request)
             raw = await self.read_body(request)
-            parsed = parse_request(endpoint, raw)
+            parsed = parse_request(endpoint, raw) if parsed is None else parsed
             flow = self.flow_of(request, parsed)
             session = self.session_of(request, parsed)
             facts = await self.router.facts(parsed)
@@ -313,7 +321,7 @@ class Proxy:
                     break
                 replica, routed, leg_parsed, leg_raw = first
             else:
-                candidates = self.replicas.routable(exclude=tried)
+                candidates = [r for r in self.replicas.routable(exclude=tried) if serves(r.route, facts.lora)]
                 if legs is not None:
                     candidates = legs.decode_capable(candidates)
                 if not candidates:
@@ -360,6 +368,8 @@ class Proxy:
         message = "no healthy replica is available" if refused is None else f"no replica answered: {refused.reason}"
         self.metrics.requests.labels("none", route, "503").inc()
         unavailable = RequestError(message, status=503, code="no_replica_available", type_="server_error")
+        if refused is None and facts.lora is not None:
+            unavailable = self.lora_unavailable(facts.lora, request_id)
         return error_response(unavailable, request_id)
 
     async def _disaggregated(
@@ -375,7 +385,7 @@ class Proxy:
         """The first attempt in a disaggregated fleet: the plan, the prefill leg of a split request, and the
         answer's leg committed (the decode leg with the transfer parameters, or the request whole). A response:
         the prefill worker's 4xx for the request; None: no replica is routable."""
-        routable = self.replicas.routable()
+        routable = [state for state in self.replicas.routable() if serves(state.route, facts.lora)]
         if not routable:
             return None
         began = self.clock()
@@ -400,7 +410,9 @@ class Proxy:
                 return decode, routed, leg_parsed, leg_raw
         # Served whole: the plan's replica, or (the prefill leg failed) the best decode-capable one now.
         if plan.split:
-            candidates = legs.decode_capable(self.replicas.routable())
+            candidates = legs.decode_capable(
+                [state for state in self.replicas.routable() if serves(state.route, facts.lora)]
+            )
             if not candidates:
                 return None
             decision = self.router.decide(facts, [state.route for state in candidates])
@@ -408,6 +420,12 @@ class Proxy:
             decision = plan.decode
         replica = self.replicas.by_name[decision.chosen]
         return replica, self.router.commit(decision, facts, replica.route, arrival=start), parsed, raw
+
+    def lora_unavailable(self, lora: str, request_id: str) -> RequestError:
+        """No routable replica serves the request's adapter (placement, kvrouter.routing.adapters): counted."""
+        self.metrics.lora_unavailable.labels(lora).inc()
+        log.warning("request %s: no routable replica serves the LoRA adapter %r", request_id, lora)
+        return adapter_unavailable(lora)
 
     def _answer_plan(self, parsed: ParsedRequest, replica: ReplicaState) -> AnswerFetch | None:
         """How a non-streaming request's answer is fetched from `replica` (None: a streaming request)."""

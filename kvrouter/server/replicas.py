@@ -72,12 +72,18 @@ class ReplicaState:
     """One replica: its configuration, its breaker and what the last probe saw."""
 
     def __init__(
-        self, config: ReplicaConfig, block_size: int, breaker: BreakerPolicy, clock: Callable[[], float]
+        self,
+        config: ReplicaConfig,
+        block_size: int,
+        breaker: BreakerPolicy,
+        clock: Callable[[], float],
+        lora_adapters: frozenset[str] | None = None,
     ) -> None:
         self.config = config
         self.name: ReplicaName = config.replica
         self.base_url = config.base_url
-        self.route = Route(self.name, block_size, config.weight, config.role)
+        adapters = frozenset(config.lora_adapters) if lora_adapters is None else lora_adapters
+        self.route = Route(self.name, block_size, config.weight, adapters, config.role)
         self._breaker = breaker
         self._clock = clock
         self.consecutive_failures = 0
@@ -179,7 +185,9 @@ class ReplicaSet:
         clock: Callable[[], float],
     ) -> None:
         breaker = BreakerPolicy(settings.breaker_failures, settings.breaker_backoff_s, settings.breaker_backoff_max_s)
-        self.replicas = [ReplicaState(r, fleet.block_size_of(r), breaker, clock) for r in fleet.replicas]
+        self.replicas = [
+            ReplicaState(r, fleet.block_size_of(r), breaker, clock, fleet.adapters_of(r)) for r in fleet.replicas
+        ]
         self.by_name = {r.name: r for r in self.replicas}
         self._settings = settings
         self._load = load
@@ -199,9 +207,9 @@ class ReplicaSet:
     def routable(self, exclude: Sequence[ReplicaName] = ()) -> list[ReplicaState]:
         return [r for r in self.replicas if r.name not in exclude and r.routable and r.name not in self.draining]
 
-    def add(self, config: ReplicaConfig, block_size: int) -> ReplicaState:
+    def add(self, config: ReplicaConfig, block_size: int, lora_adapters: frozenset[str] | None = None) -> ReplicaState:
         """A replica joins (live reload). The list is replaced, never mutated, so running loops keep theirs."""
-        state = ReplicaState(config, block_size, self._breaker, self._clock)
+        state = ReplicaState(config, block_size, self._breaker, self._clock, lora_adapters)
         self.replicas = [*(r for r in self.replicas if r.name != state.name), state]
         self.by_name = {**self.by_name, state.name: state}
         return state

@@ -16,14 +16,18 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from kvrouter.config import FleetConfig, Settings
+from kvrouter.config import FleetConfig, ModelsConfig, Settings
 from kvrouter.server.client_limits import EDGE, EdgeSite
 
 log = logging.getLogger("kvrouter")
 
 
 async def serve(
-    app: web.Application, settings: Settings, fleet: FleetConfig, *, ready: Callable[[int], None] | None = None
+    app: web.Application,
+    settings: Settings,
+    fleet: FleetConfig | ModelsConfig,
+    *,
+    ready: Callable[[int], None] | None = None,
 ) -> int:
     """Serve `app` until SIGTERM/SIGINT; `ready` gets the bound port (useful with port 0)."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=settings.shutdown_grace_s, access_log=None)
@@ -40,12 +44,14 @@ async def serve(
     gc.collect()
     gc.freeze()
     port = site.port
+    fleets = fleet.models if isinstance(fleet, ModelsConfig) else [fleet]
     log.info(
-        "kvrouter listening on %s:%d; policy %s; %d replicas",
+        "kvrouter listening on %s:%d; policy %s; %d replicas%s",
         settings.host,
         port,
         settings.policy,
-        len(fleet.replicas),
+        sum(len(f.replicas) for f in fleets),
+        f" in {len(fleets)} fleets ({', '.join(str(f.model) for f in fleets)})" if len(fleets) > 1 else "",
     )
     if ready is not None:
         ready(port)

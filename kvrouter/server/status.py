@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
+from kvrouter.routing.adapters import unavailable as adapter_unavailable
 from kvrouter.server.streaming import BodyTooLarge, read_capped
 from kvrouter.typedefs import ReplicaName
 
@@ -79,6 +80,20 @@ class StatusEndpoints:
             self.proxy.check_client(request)
         except RequestError as error:
             return _error(error)
+        answers = await self.listed_models()
+        merged: dict[str, dict[str, Any]] = {}
+        for entries in answers:
+            for entry in entries:
+                merged.setdefault(str(entry.get("id")), entry)
+        if not merged and not any(answers):
+            unavailable = RequestError(
+                "no healthy replica listed its models", status=503, code="no_replica_available", type_="server_error"
+            )
+            return _error(unavailable)
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    async def listed_models(self) -> list[list[dict[str, Any]]]:
+        """What every routable replica's /v1/models lists (an empty list for one that did not answer)."""
         session = self.proxy.client_session()
         timeout = aiohttp.ClientTimeout(total=self.proxy.settings.connect_timeout_s + 5.0)
 
@@ -94,20 +109,14 @@ class StatusEndpoints:
             data = payload.get("data") if isinstance(payload, dict) else None
             return [entry for entry in data if isinstance(entry, dict)] if isinstance(data, list) else []
 
-        answers = await asyncio.gather(*(fetch(replica) for replica in self.proxy.replicas.routable()))
-        merged: dict[str, dict[str, Any]] = {}
-        for entries in answers:
-            for entry in entries:
-                merged.setdefault(str(entry.get("id")), entry)
-        if not merged and not any(answers):
-            unavailable = RequestError(
-                "no healthy replica listed its models", status=503, code="no_replica_available", type_="server_error"
-            )
-            return _error(unavailable)
-        return web.json_response({"object": "list", "data": list(merged.values())})
+        return list(await asyncio.gather(*(fetch(replica) for replica in self.proxy.replicas.routable())))
 
     async def health(self, request: web.Request) -> web.Response:
-        streams = request.app.get(EVENT_STREAMS)
+        body, routable = self.health_view(request.app.get(EVENT_STREAMS))
+        return web.json_response(body, status=200 if routable else 503)
+
+    def health_view(self, streams: EventStreams | None) -> tuple[dict[str, Any], bool]:
+        """/health's body, and whether any replica is routable."""
         replicas = {}
         for replica in self.proxy.replicas:
             described = replica.describe()
@@ -119,7 +128,7 @@ class StatusEndpoints:
         total = len(self.proxy.replicas.replicas)
         status = "ok" if routable == total else "degraded" if routable else "unavailable"
         body = {"status": status, "policy": self.proxy.router.policy.name, "replicas": replicas}
-        return web.json_response(body, status=200 if routable else 503)
+        return body, routable > 0
 
     async def prometheus(self, request: web.Request) -> web.Response:
         self.proxy.replicas.update_gauges()
@@ -144,7 +153,11 @@ class StatusEndpoints:
         candidates = self.proxy.replicas.routable()
         if not candidates:
             return _error(RequestError("no healthy replica is available", status=503, code="no_replica_available"))
-        decision = self.proxy.router.decide(facts, [replica.route for replica in candidates])
+        routes = self.proxy.router.serving(facts, [replica.route for replica in candidates])
+        if not routes:
+            assert facts.lora is not None
+            return _error(adapter_unavailable(facts.lora))
+        decision = self.proxy.router.decide(facts, routes)
         flow_view: dict[str, Any] | None = None
         if gate is not None and flow is not None:
             reasons = gate.saturation_reasons()
@@ -183,6 +196,9 @@ class StatusEndpoints:
                 "session_replica": None if sessions is None else sessions.replica_of(facts.session, clock()),
                 "without_session_hint": decision.without_hint,
                 "endpoint": endpoint,
+                "model": parsed.model,
+                "lora_adapter": facts.lora,
+                "not_serving_adapter": sorted({r.name for r in candidates} - {r.name for r in routes}),
                 "prompt_tokens": facts.prompt_tokens,
                 "flow": flow_view,
                 "candidates": [

@@ -26,15 +26,16 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from kvrouter.config import ConfigError, FleetConfig, Settings
+from kvrouter.config import ConfigError, FleetConfig, ModelsConfig, Settings
 
 log = logging.getLogger("kvrouter.server.workers")
 
 
-def check_workers(settings: Settings, fleet: FleetConfig) -> None:
+def check_workers(settings: Settings, fleet: FleetConfig | ModelsConfig) -> None:
     if settings.port == 0:
         raise ConfigError("setting 'workers' (--workers / KVROUTER_WORKERS): needs a fixed --port, not 0")
-    binding = [r.name for r in fleet.replicas if r.kv_events is not None and r.kv_events.bind]
+    fleets = fleet.models if isinstance(fleet, ModelsConfig) else [fleet]
+    binding = [r.name for f in fleets for r in f.replicas if r.kv_events is not None and r.kv_events.bind]
     if settings.redis_url is None and binding:
         raise ConfigError(
             "setting 'workers' (--workers / KVROUTER_WORKERS): replicas "
@@ -43,23 +44,23 @@ def check_workers(settings: Settings, fleet: FleetConfig) -> None:
         )
 
 
-def worker_main(settings: Settings, fleet: FleetConfig, number: int) -> int:
+def worker_main(settings: Settings, fleet: FleetConfig | ModelsConfig, number: int) -> int:
     """One worker: a complete router on the shared port."""
     import asyncio
 
-    from kvrouter.server.app import create_app
+    from kvrouter.server.fleets import build_router_app
     from kvrouter.server.serving import loop_factory, serve
 
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[w{number}]: %(message)s"
     )
-    app = create_app(settings, fleet)
+    app = build_router_app(settings, fleet)
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(serve(app, settings, fleet))
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, fleet: FleetConfig, *, restart_delay_s: float = 1.0) -> None:
+    def __init__(self, settings: Settings, fleet: FleetConfig | ModelsConfig, *, restart_delay_s: float = 1.0) -> None:
         self.settings = settings
         self.fleet = fleet
         self.restart_delay_s = restart_delay_s
@@ -125,5 +126,5 @@ class Supervisor:
         return 0
 
 
-def run_workers(settings: Settings, fleet: FleetConfig) -> int:
+def run_workers(settings: Settings, fleet: FleetConfig | ModelsConfig) -> int:
     return Supervisor(settings, fleet).run()

@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request omits it.")
     parser.add_argument("--topic", default="kv-events", help="KV-event topic.")
     parser.add_argument("--lora-adapters", default="", help="Comma-separated LoRA adapter names to serve.")
+    parser.add_argument(
+        "--name-prefix",
+        default="sim-",
+        help="Replica names: this plus 0, 1, ... (unique across a models list).",
+    )
     parser.add_argument("--hash-seed", type=int, default=0, help="Seed of replica 0's block hashes (+i for i).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -105,9 +110,9 @@ def event_bind_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def layouts(count: int, base_port: int, kv_base_port: int | None) -> list[Layout]:
+def layouts(count: int, base_port: int, kv_base_port: int | None, prefix: str = "sim-") -> list[Layout]:
     kv_base = kv_base_port if kv_base_port is not None else base_port + 100
-    return [Layout(f"sim-{i}", base_port + i, kv_base + 2 * i, kv_base + 2 * i + 1) for i in range(count)]
+    return [Layout(f"{prefix}{i}", base_port + i, kv_base + 2 * i, kv_base + 2 * i + 1) for i in range(count)]
 
 
 def fleet_document(
@@ -194,7 +199,7 @@ async def _serve(args: argparse.Namespace, profile: Profile) -> None:
     if bind_host.startswith("["):
         context.setsockopt(zmq.IPV6, 1)
     runners: list[web.AppRunner] = []
-    plan = layouts(args.replicas, args.base_port, args.kv_base_port)
+    plan = layouts(args.replicas, args.base_port, args.kv_base_port, args.name_prefix)
     try:
         for index, layout in enumerate(plan):
             seed = args.hash_seed + index

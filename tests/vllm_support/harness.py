@@ -47,10 +47,12 @@ class Reply:
         return json.loads(self.text)
 
 
-def http_call(method: str, url: str, body: Any = None, timeout: float = 120.0) -> Reply:
+def http_call(
+    method: str, url: str, body: Any = None, timeout: float = 120.0, headers: Mapping[str, str] | None = None
+) -> Reply:
     """One plain HTTP exchange (stdlib only: the tests need no HTTP client beyond what the project ships)."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method)
+    request = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
     if data is not None:
         request.add_header("content-type", "application/json")
     try:
