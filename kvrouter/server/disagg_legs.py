@@ -140,8 +140,8 @@ class PdMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.plans = Counter(
             "kvrouter_pd_plans",
-            "Requests of disaggregated fleets by plan: split, short (whole on a decode worker), off, "
-            "no_prefill_worker, no_decode_worker.",
+            "Requests of disaggregated fleets by plan: split, short (whole on a decode worker), prefill_busy (whole: "
+            "the prefill workers are too backed up), off, no_prefill_worker, no_decode_worker.",
             ["plan"],
             registry=registry,
         )
