@@ -168,6 +168,11 @@ home=$(awk -F: -v uid="${user%%:*}" '$3 == uid { print $6 }' "$rootfs/etc/passwd
 in_image() {  # in_image COMMAND...: run COMMAND in the image as its user
     chroot --userspec="$user" "$rootfs" /usr/bin/env -i -C "$workdir" "${image_env[@]}" HOME="$home" "$@"
 }
+in_image_bg() {  # in_image_bg COMMAND...: the same in the background, started by this shell itself, so that $!
+    # is the command's own PID (chroot and env exec it) and a SIGTERM to it reaches the program. (`in_image ... &`
+    # would background a subshell: its PID dies at the TERM and leaves the program running.)
+    chroot --userspec="$user" "$rootfs" /usr/bin/env -i -C "$workdir" "${image_env[@]}" HOME="$home" "$@" &
+}
 
 log "kvrouter --help (entry point ${entrypoint[*]}, user $user)"
 help_text=$(in_image "${entrypoint[@]}" --help) || fail "'kvrouter --help' fails in the image"
@@ -200,9 +205,9 @@ router_port=$(( first_port + 6 ))
 smoke_dir=/tmp/kvrouter-smoke
 in_image mkdir -p "$smoke_dir"
 log "smoke: 2 simulated replicas on 127.0.0.1:$first_port-$(( first_port + 1 )), router on :$router_port"
-in_image "${entrypoint[@]}" sim --replicas 2 --host 127.0.0.1 --base-port "$first_port" \
+in_image_bg "${entrypoint[@]}" sim --replicas 2 --host 127.0.0.1 --base-port "$first_port" \
     --kv-base-port "$(( first_port + 2 ))" --block-size 16 --model-name smoke \
-    --write-replicas "$smoke_dir/replicas.yaml" >"$cache/logs/smoke-sim.log" 2>&1 &
+    --write-replicas "$smoke_dir/replicas.yaml" >"$cache/logs/smoke-sim.log" 2>&1
 pids+=($!)
 for _ in $(seq 100); do
     [ -s "$rootfs$smoke_dir/replicas.yaml" ] && break
@@ -210,8 +215,8 @@ for _ in $(seq 100); do
     sleep 0.2
 done
 [ -s "$rootfs$smoke_dir/replicas.yaml" ] || { tail -n 20 "$cache/logs/smoke-sim.log" >&2; fail "kvrouter sim did not start in the image"; }
-in_image "${entrypoint[@]}" --replicas "$smoke_dir/replicas.yaml" --host 127.0.0.1 --port "$router_port" \
-    >"$cache/logs/smoke-router.log" 2>&1 &
+in_image_bg "${entrypoint[@]}" --replicas "$smoke_dir/replicas.yaml" --host 127.0.0.1 --port "$router_port" \
+    >"$cache/logs/smoke-router.log" 2>&1
 pids+=($!)
 if ! "$tools_python" .ci/image_smoke_client.py "http://127.0.0.1:$router_port" --model smoke; then
     tail -n 20 "$cache/logs/smoke-router.log" "$cache/logs/smoke-sim.log" >&2

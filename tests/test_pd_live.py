@@ -199,7 +199,10 @@ async def test_a_prefill_4xx_goes_back_to_the_client_and_nothing_is_decoded(pd_f
     replicas["p0"].behaviour.status = 400
     response = await client.post("/v1/chat/completions", json=CHAT)
     assert response.status == 400 and "error" in await response.json()
+    assert response.headers["x-kvrouter-replica"] == "p0"
     assert replicas["d0"].completions_seen() == []
+    assert await metric_value(client, "kvrouter_pd_prefill_legs_total", replica="p0", outcome="client_error") == 1
+    assert await metric_value(client, "kvrouter_requests_total", replica="p0", status="400") == 1
 
 
 async def test_a_clients_own_transfer_params_are_refused(pd_fleet: PdFleet) -> None:

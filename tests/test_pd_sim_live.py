@@ -17,45 +17,16 @@ from prometheus_client import CollectorRegistry
 from kvrouter.config import parse_fleet
 from kvrouter.server.app import create_app
 from kvrouter.sim.kv_transfer import KvPeers
-from kvrouter.sim.model import EngineGaugesSnapshot, EngineRequest, StepResult
 from kvrouter.sim.profiles import build_engine, get_profile
 from kvrouter.sim.server import PdFaults, ReplicaSettings, build_replica_app
 from kvrouter.sim.textio import SimTokenizer
 from kvrouter.tinymodel import ensure_tokenizer
 from kvrouter.typedefs import ReplicaRole
 from tests.conftest import router_settings
+from tests.engine_recording import RecordingEngine
 
 BLOCK = 32
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "a long question about routing, " * 40}]}
-
-
-class RecordingEngine:
-    """A sim engine that remembers what was added to it."""
-
-    def __init__(self) -> None:
-        self.inner = build_engine(get_profile("cpu-tiny"), block_size=BLOCK)
-        self.block_size = self.inner.block_size
-        self.max_num_seqs = self.inner.max_num_seqs
-        self.added: list[EngineRequest] = []
-
-    def add(self, request: EngineRequest) -> None:
-        self.added.append(request)
-        self.inner.add(request)
-
-    def abort(self, request_id: str) -> None:
-        self.inner.abort(request_id)
-
-    def has_work(self) -> bool:
-        return self.inner.has_work()
-
-    def step(self, now: float) -> StepResult:
-        return self.inner.step(now)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.inner.reset_prefix_cache()
-
-    def gauges(self) -> EngineGaugesSnapshot:
-        return self.inner.gauges()
 
 
 Fleet = Callable[..., Awaitable[tuple[TestClient[Any, Any], dict[str, RecordingEngine]]]]
@@ -75,7 +46,7 @@ async def sim_fleet(aiohttp_client: Any) -> AsyncIterator[Fleet]:
         engines: dict[str, RecordingEngine] = {}
         entries = []
         for name, role, faults in specs:
-            engine = RecordingEngine()
+            engine = RecordingEngine(build_engine(get_profile("cpu-tiny"), block_size=BLOCK))
             settings = ReplicaSettings(name=name, model_name="tiny", max_model_len=4096, time_scale=20.0, role=role)
             app: web.Application = build_replica_app(settings, engine, tokenizer, peers=peers, faults=faults)
             server = TestServer(app, host="127.0.0.1")

@@ -18,42 +18,13 @@ from kvrouter.replay.report import summarize, table
 from kvrouter.replay.trace import Trace, TraceRequest, load_trace
 from kvrouter.routing.disagg import DisaggSettings
 from kvrouter.sim.mocker import DynamoMockerEngine
-from kvrouter.sim.model import EngineGaugesSnapshot, EngineRequest, StepResult
 from kvrouter.sim.profiles import KvTransfer
 from kvrouter.typedefs import DisaggMode, ReplicaRole
+from tests.engine_recording import RecordingEngine
 from tests.shared_data import MOONCAKE_CONVERSATION, shared
 
 ROLES_2P2D: tuple[ReplicaRole, ...] = ("prefill", "prefill", "decode", "decode")
 B200_LINK = KvTransfer(bytes_per_token=70_272)
-
-
-class RecordingEngine:
-    """A mocker engine that remembers every request added to it."""
-
-    def __init__(self) -> None:
-        self.inner = DynamoMockerEngine()
-        self.block_size = self.inner.block_size
-        self.max_num_seqs = self.inner.max_num_seqs
-        self.added: list[EngineRequest] = []
-
-    def add(self, request: EngineRequest) -> None:
-        self.added.append(request)
-        self.inner.add(request)
-
-    def abort(self, request_id: str) -> None:
-        self.inner.abort(request_id)
-
-    def has_work(self) -> bool:
-        return self.inner.has_work()
-
-    def step(self, now: float) -> StepResult:
-        return self.inner.step(now)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.inner.reset_prefix_cache()
-
-    def gauges(self) -> EngineGaugesSnapshot:
-        return self.inner.gauges()
 
 
 def replay(
@@ -68,7 +39,7 @@ def replay(
     catalog = PromptCatalog(trace_block_tokens=512, block_size=64)
     prompts = [catalog.prepare(request) for request in requests]
     clock = VirtualClock()
-    engines = [RecordingEngine() for _ in range(4)]
+    engines = [RecordingEngine(DynamoMockerEngine()) for _ in range(4)]
     result = replay_policy(
         requests=requests,
         prompts=prompts,

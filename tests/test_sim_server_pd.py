@@ -17,6 +17,7 @@ import zmq.asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from kvrouter.config import parse_fleet
 from kvrouter.events import wire
 from kvrouter.sim.cli import fleet_document, layouts, replica_faults
 from kvrouter.sim.kv_transfer import KvPeers, fleet_roles, parse_kv_transfer_params
@@ -230,4 +231,11 @@ def test_roles_faults_and_the_fleet_file() -> None:
     )  # fmt: skip
     replicas = document["replicas"]
     assert isinstance(replicas, list) and [r["role"] for r in replicas] == ["prefill", "decode"]
+    assert "disaggregation" not in document
+    always = fleet_document(
+        layouts(2, 9000, None), host="127.0.0.1", block_size=32, tokenizer=Path("."), model="m", topic="t",
+        roles=["prefill", "decode"], disaggregation="always",
+    )  # fmt: skip
+    assert always["disaggregation"] == {"mode": "always"}
+    assert parse_fleet(always, Path("replicas.yaml")).disaggregation.mode == "always"
     assert parse_kv_transfer_params(None) is None and parse_kv_transfer_params({"do_remote_decode": False}) is None

@@ -308,7 +308,8 @@ class PdLegs:
             return None, "busy"
         if status >= 400:
             # The request's own fault (too long, a bad field): the decode worker would say the same.
-            return PrefillOutcome(answer=web.Response(status=status, body=answer, headers=out_headers)), "client_error"
+            refused = web.Response(status=status, body=answer, headers=out_headers)
+            return PrefillOutcome(answer=refused, replica=replica.name), "client_error"
         if status != 200:
             self.replicas.reject(replica, "prefill_status")
             return None, "bad_answer"

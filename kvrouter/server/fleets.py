@@ -35,7 +35,7 @@ from kvrouter.server.app import PROXY, create_app
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, soft_fd_limit
 from kvrouter.server.fleet_status import add_status_routes
 from kvrouter.server.model_directory import MODELS, FleetApp, ModelDirectory
-from kvrouter.server.proxy import error_response
+from kvrouter.server.proxy import error_response, refuse_request_target
 from kvrouter.server.status import StatusEndpoints
 from kvrouter.server.streaming import REQUEST_ID_HEADER
 
@@ -156,13 +156,7 @@ class ModelDispatch:
     async def origin_form_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.raw_path.startswith("/"):
             return await handler(request)
-        self.metrics.client_rejections.labels("request_target").inc()
-        refused = RequestError(
-            "the request target must be a path (origin-form), not '*' or an absolute URL",
-            status=400,
-            code="invalid_request_target",
-        )
-        return error_response(refused)
+        return refuse_request_target(self.metrics)
 
     @web.middleware
     async def passthrough_unmatched(self, request: web.Request, handler: Handler) -> web.StreamResponse:

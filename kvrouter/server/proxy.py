@@ -136,6 +136,18 @@ def error_response(error: RequestError, request_id: str | None = None) -> web.Re
     return web.json_response(error.body(), status=error.status, headers=headers or None)
 
 
+def refuse_request_target(metrics: RouterMetrics) -> web.Response:
+    """`OPTIONS *` (asterisk-form) or `GET http://host/x` (absolute-form): both are for proxies and servers
+    themselves, never for an API; forwarded, they made invalid upstream URLs charged to every replica. Counted."""
+    metrics.client_rejections.labels("request_target").inc()
+    refused = RequestError(
+        "the request target must be a path (origin-form), not '*' or an absolute URL",
+        status=400,
+        code="invalid_request_target",
+    )
+    return error_response(refused)
+
+
 def _bearer(request: web.Request) -> str:
     value = request.headers.get("authorization", "")
     return value[7:].strip() if value[:7].lower() == "bearer " else ""
@@ -196,15 +208,7 @@ class Proxy:
     async def origin_form_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.raw_path.startswith("/"):
             return await handler(request)
-        # `OPTIONS *` (asterisk-form) or `GET http://host/x` (absolute-form): both are for proxies and servers
-        # themselves, never for an API; forwarded, they made invalid upstream URLs charged to every replica.
-        self.metrics.client_rejections.labels("request_target").inc()
-        refused = RequestError(
-            "the request target must be a path (origin-form), not '*' or an absolute URL",
-            status=400,
-            code="invalid_request_target",
-        )
-        return error_response(refused)
+        return refuse_request_target(self.metrics)
 
     @web.middleware
     async def passthrough_unmatched(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "both), or NPMD (N prefill then M decode); default every replica 'both'.",
     )
     parser.add_argument(
+        "--disaggregation",
+        choices=("conditional", "always", "off"),
+        default=None,
+        help="With --roles: the disaggregation mode written into --write-replicas (default: the router's, "
+        "conditional), so `kvrouter bench --sim-arg` rows compare modes on the same schedule.",
+    )
+    parser.add_argument(
         "--fault",
         dest="faults",
         action="append",
@@ -166,11 +173,14 @@ def fleet_document(
     topic: str,
     lora_adapters: tuple[str, ...] = (),
     roles: list[ReplicaRole] | None = None,
+    disaggregation: str | None = None,
 ) -> dict[str, object]:
     """The replicas.yaml content for these replicas (what `kvrouter.config.load_fleet` reads)."""
     reach = reach_host(host)
     role_of = dict(zip((r.name for r in replicas), roles or (), strict=False))
     extra: dict[str, object] = {"lora_adapters": list(lora_adapters)} if lora_adapters else {}
+    if disaggregation is not None:
+        extra["disaggregation"] = {"mode": disaggregation}
     return {
         "model": model,
         "tokenizer": str(tokenizer.resolve()),
@@ -282,7 +292,7 @@ async def _serve(
         if args.write_replicas is not None:
             document = fleet_document(
                 plan, host=args.host, block_size=block_size, tokenizer=Path(tokenizer_dir), model=model_name,
-                topic=args.topic, lora_adapters=adapters, roles=roles,
+                topic=args.topic, lora_adapters=adapters, roles=roles, disaggregation=args.disaggregation,
             )  # fmt: skip
             args.write_replicas.parent.mkdir(parents=True, exist_ok=True)
             args.write_replicas.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
