@@ -105,7 +105,7 @@ def pd_router(pd_pair: tuple[PdServer, PdServer], tiny_model: Path, vllm_workdir
     router = RouterProcess(fleet, vllm_workdir, name="router-pd", extra_args=("--policy", "kv_aware"))
     router.start()
     try:
-        router.wait_ready(2)
+        router.wait_ready(2, timeout_s=240)  # beside two NIXL engines, each polling most of a core
         yield router
     finally:
         router.stop()

@@ -127,8 +127,13 @@ class RouterProcess:
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
             )
 
-    def wait_ready(self, replicas: int, timeout_s: float = 60.0) -> None:
-        """Until the router answers /health with every replica routable."""
+    def wait_ready(self, replicas: int, timeout_s: float = 120.0) -> None:
+        """Until the router answers /health with every replica routable.
+
+        The limit is generous because a start is only slow on a starved machine: CI's two cores run the vLLM
+        engines beside the router (an idle NIXL engine alone burns most of a core), and importing transformers
+        and loading the tokenizer then took over 60 s where it takes 5-8 s on an idle machine.
+        """
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
