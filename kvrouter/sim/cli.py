@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -255,7 +254,7 @@ async def _serve(
         tokenizer_dir = ensure_tokenizer()
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sim-tokenize")
     tokenizer = SimTokenizer(tokenizer_dir, executor)
-    model_root = os.path.abspath(tokenizer_dir)  # /v1/models root, as vLLM gives its model path
+    model_root = str(tokenizer_dir)  # /v1/models root, as vLLM gives its model path
     block_size = args.block_size or profile.block_size
     model_name = args.model_name or profile.name
     max_model_len = args.max_model_len or profile.max_model_len
