@@ -70,6 +70,10 @@ these placeholders are filled in:
   {block_size}             the engines' KV block size
   {kv_event_sources}       WORKER_URL=tcp://HOST:PORT per replica, space-separated
   {kv_event_source_flags}  `--kv-event-source WORKER_URL=tcp://HOST:PORT` per replica
+  {kv_endpoints}           the replicas' KV-event endpoints tcp://HOST:PORT, space-separated
+  {model}                  the served model name (replicas.yaml `model`)
+  {tokenizer}              the model's tokenizer directory (replicas.yaml `tokenizer`)
+Simulated replicas refuse a request naming another model (404, as vLLM); Locust sends the fleet's model name.
 docs/benchmarks.md has the commands used for smg, sglang-router and vllm-router."""
 
 
@@ -354,6 +358,7 @@ def run_row(plan: BenchPlan, spec: RowSpec, scheduled: int, say: Any) -> RowData
     children: list[Child] = []
     try:
         replicas: dict[str, str] = {}
+        model = ""  # a target's model is asked from its /v1/models
         if spec.kind == "target":
             host = spec.value.rstrip("/")
             replicas = {f"replica-{i}": url.rstrip("/") for i, url in enumerate(plan.target_metrics)}
@@ -374,11 +379,13 @@ def run_row(plan: BenchPlan, spec: RowSpec, scheduled: int, say: Any) -> RowData
             router, host = _start_router(plan, spec, sim, row_dir)
             children.append(router)
             replicas = sim.replicas
+            model = sim.model
         before = {name: scrape(url) for name, url in replicas.items()}
         records_path = row_dir / "records.jsonl"
         argv = locust_argv(
             host=host, users=plan.users, run_time_s=plan.params.duration_s + plan.drain_s,
-            csv_prefix=row_dir / "locust", records=records_path, flags=plan.locust_flags(),
+            csv_prefix=row_dir / "locust", records=records_path,
+            flags=[*plan.locust_flags(), *(["--kv-model", model] if model else [])],
         )  # fmt: skip
         locust = start_child("locust", argv, row_dir / "locust.log")
         children.append(locust)

@@ -248,6 +248,10 @@ class SimFleet:
     kv_endpoints: dict[str, str]
     """Replica name -> ZMQ PUB endpoint of its KV events (when the simulator publishes them)."""
     block_size: int
+    model: str = ""
+    """The served model name (replicas.yaml `model`): what clients put in a request's `model`."""
+    tokenizer: str = ""
+    """The model's tokenizer directory (replicas.yaml `tokenizer`), for routers that tokenize."""
 
 
 def start_sim(
@@ -259,13 +263,18 @@ def start_sim(
     time_scale: float = 1.0,
     tokenizer: Path | None = None,
     extra: Sequence[str] = (),
+    strict_model: bool = True,
 ) -> SimFleet:
+    """`strict_model`: the replicas refuse, as vLLM does, a request naming another model (404), so a router that
+    rewrites the name fails here as it would on real replicas."""
     base_port = free_port_range(3 * replicas + 2)  # HTTP ports, then a PUB and a replay port per replica
     argv = kvrouter_argv(
         "sim", "--replicas", str(replicas), "--profile", profile, "--base-port", str(base_port),
         "--kv-base-port", str(base_port + replicas + 1), "--write-replicas", str(replicas_file),
         "--time-scale", str(time_scale), "--log-level", "warning",
     )  # fmt: skip
+    if strict_model:
+        argv.append("--strict-model")
     if tokenizer is not None:
         argv += ["--tokenizer", str(tokenizer)]
     argv += list(extra)
@@ -285,7 +294,10 @@ def start_sim(
         endpoints = {str(r["name"]): str(r["kv_events"]["endpoint"]) for r in fleet["replicas"] if r.get("kv_events")}
         for url in urls.values():
             wait_ready(child, url + "/health")
-        return SimFleet(child, replicas_file, urls, endpoints, int(fleet.get("block_size") or 16))
+        return SimFleet(
+            child, replicas_file, urls, endpoints, int(fleet.get("block_size") or 16),
+            model=str(fleet.get("model") or ""), tokenizer=str(fleet.get("tokenizer") or ""),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +308,8 @@ class ExternalFleet:
     replicas: dict[str, str]
     kv_endpoints: dict[str, str]
     block_size: int
+    model: str = ""
+    tokenizer: str = ""
 
 
 def external_fleet(replicas_file: Path) -> ExternalFleet:
@@ -308,7 +322,9 @@ def external_fleet(replicas_file: Path) -> ExternalFleet:
         raise FleetError(str(error)) from None
     urls = {replica.name: replica.base_url for replica in fleet.replicas}
     endpoints = {replica.name: replica.kv_events.endpoint for replica in fleet.replicas if replica.kv_events}
-    return ExternalFleet(replicas_file, urls, endpoints, fleet.block_size)
+    return ExternalFleet(
+        replicas_file, urls, endpoints, fleet.block_size, model=fleet.model or "", tokenizer=fleet.tokenizer or ""
+    )
 
 
 def reset_prefix_caches(replicas: Mapping[str, str], timeout_s: float = 120.0, retry_s: float = 1.0) -> None:
@@ -353,9 +369,14 @@ def start_kvrouter(replicas_file: Path, port: int, policy: str, log: Path, extra
 
 def render_router_cmd(template: str, port: int, sim: SimFleet | ExternalFleet) -> list[str]:
     """Fill a `--router-cmd` template: {port}, {worker_urls} (space-separated), {worker_urls_csv},
-    {replicas_file}, {block_size}, {kv_event_sources} (WORKER_URL=tcp://... space-separated) and
-    {kv_event_source_flags} (`--kv-event-source WORKER_URL=tcp://...` once per replica, vllm-router's form)."""
+    {replicas_file}, {block_size}, {kv_event_sources} (WORKER_URL=tcp://... space-separated),
+    {kv_event_source_flags} (`--kv-event-source WORKER_URL=tcp://...` once per replica, vllm-router's form),
+    {kv_endpoints} (the replicas' tcp://... event endpoints, space-separated), {model} (the served model name) and
+    {tokenizer} (its tokenizer directory). {model} and {tokenizer} are refused when the fleet names none."""
     pairs = [f"{sim.replicas[name]}={endpoint}" for name, endpoint in sim.kv_endpoints.items()]
+    for placeholder, value in (("model", sim.model), ("tokenizer", sim.tokenizer)):
+        if "{" + placeholder + "}" in template and not value:
+            raise FleetError(f"--router-cmd uses {{{placeholder}}} but {sim.replicas_file} names no {placeholder}")
     values = {
         "port": str(port),
         "worker_urls": " ".join(sim.replicas.values()),
@@ -364,6 +385,9 @@ def render_router_cmd(template: str, port: int, sim: SimFleet | ExternalFleet) -
         "block_size": str(sim.block_size),
         "kv_event_sources": " ".join(pairs),
         "kv_event_source_flags": " ".join(f"--kv-event-source {pair}" for pair in pairs),
+        "kv_endpoints": " ".join(sim.kv_endpoints.values()),
+        "model": sim.model,
+        "tokenizer": sim.tokenizer,
     }
     return shlex.split(template.format(**values))
 

@@ -6,7 +6,9 @@ Replica i listens for HTTP on `--host`:`--base-port + i`; its KV-event PUB socke
 `--write-replicas FILE` writes a replicas.yaml that `kvrouter --replicas FILE` accepts as is (URLs, event
 endpoints with bind false, block size, tokenizer directory; a wildcard host is reached as 127.0.0.1). Each replica
 hashes blocks with its own seed, as separate vLLM processes do, so the router cannot rely on engine hashes.
-Without `--tokenizer` the project's tiny tokenizer is built (once) and used.
+Without `--tokenizer` the project's tiny tokenizer is built (once) and used; /v1/models gives its directory as the
+model's `root`, as vLLM gives its model path. `--strict-model` refuses, as vLLM does, a request that names a model
+other than `--model-name` or an adapter (404); by default any name is served.
 
 Disaggregated prefill/decode: `--roles prefill,prefill,decode,decode` (or `2P2D`) gives the replicas roles, written
 into replicas.yaml; the replicas of one process share one KV-transfer plane (`kvrouter.sim.kv_transfer.KvPeers`),
@@ -47,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-replicas", type=Path, default=None, help="Write a replicas.yaml here.")
     parser.add_argument("--tokenizer", type=Path, default=None, help="Tokenizer directory (default: tiny).")
     parser.add_argument("--model-name", default=None, help="Served model name (default: the profile name).")
+    parser.add_argument(
+        "--strict-model",
+        action="store_true",
+        help="Answer a request naming another model 404 NotFoundError, as vLLM does (default: serve any name).",
+    )
     parser.add_argument("--time-scale", type=float, default=1.0, help="Simulated seconds per wall second.")
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per replica (vLLM's count).")
     parser.add_argument("--block-size", type=int, default=None, help="KV block size in tokens.")
@@ -247,6 +254,7 @@ async def _serve(
         tokenizer_dir = ensure_tokenizer()
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sim-tokenize")
     tokenizer = SimTokenizer(tokenizer_dir, executor)
+    model_root = str(tokenizer_dir)  # /v1/models root, as vLLM gives its model path
     block_size = args.block_size or profile.block_size
     model_name = args.model_name or profile.name
     max_model_len = args.max_model_len or profile.max_model_len
@@ -280,6 +288,8 @@ async def _serve(
                 lora_adapters=adapters,
                 role=roles[index],
                 kv_transfer=profile.kv_transfer,
+                strict_model=args.strict_model,
+                model_root=model_root,
             )
             app = build_replica_app(
                 settings, engine, tokenizer, publisher=publisher, peers=peers, faults=faults.get(layout.name)

@@ -4,7 +4,11 @@ Endpoints as vLLM serves them: /v1/completions (a string, token ids, or a batch 
 (the tokenizer's chat template), both streaming (SSE, `stream_options.include_usage`) or not, with
 `usage.prompt_tokens_details.cached_tokens`; /v1/models, /health, /version, /tokenize, POST /reset_prefix_cache,
 /metrics. A request whose `model` names one of `lora_adapters` runs under that adapter (its blocks keyed by it,
-its events carrying it); any other `model` is served by the base model, unchecked.
+its events carrying it). Any other `model` is served by the base model, unchecked — unless `strict_model` is set:
+then, as vLLM does, a `model` that is neither the served name nor an adapter gets a 404 NotFoundError ("The model
+`X` does not exist.") and only a missing or empty one falls back to the base model, so a router in front that
+rewrites the model name fails here as it would on real vLLM. /v1/models lists the served name as vLLM does (`root`
+the model's path, one permission entry).
 A request spends the profile's front-end overhead, then its prompts enter the engine; tokens stream back as the
 engine's passes end. Generation always runs to `max_tokens` (the simulator never samples EOS, so `ignore_eos` is
 accepted and changes nothing); without `max_tokens` a request gets `default_max_tokens`, capped by the context
@@ -29,6 +33,7 @@ import contextlib
 import itertools
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +75,10 @@ class ReplicaSettings:
     """A decode leg's KV transfer cost (the profile's); None: instant."""
     engine_id: str = ""
     """The id its prefill answers name (vLLM's engine_id); default `<name>-engine`."""
+    strict_model: bool = False
+    """Refuse (404, as vLLM) a request whose `model` is neither `model_name` nor an adapter; else serve any name."""
+    model_root: str = ""
+    """What /v1/models gives as the base model's `root` (vLLM: the model's path); default `model_name`."""
 
     @property
     def kv_engine_id(self) -> str:
@@ -107,16 +116,27 @@ REPLICA = web.AppKey("replica", Replica)
 
 
 class ApiError(Exception):
-    def __init__(self, message: str, status: int = 400, type_: str = "BadRequestError") -> None:
+    def __init__(
+        self, message: str, status: int = 400, type_: str = "BadRequestError", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.type = type_
+        self.param = param
 
 
 def _error(error: ApiError) -> web.Response:
-    body = {"error": {"message": error.message, "type": error.type, "param": None, "code": error.status}}
+    body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.status}}
     return web.json_response(body, status=error.status)
+
+
+def _check_model(settings: ReplicaSettings, body: dict[str, Any]) -> None:
+    """vLLM's model check (OpenAIModelRegistry.check_model): a missing or empty name means the base model."""
+    model = body.get("model")
+    if not settings.strict_model or not model or model == settings.model_name or model in settings.lora_adapters:
+        return
+    raise ApiError(f"The model `{model}` does not exist.", 404, "NotFoundError", param="model")
 
 
 def build_replica_app(
@@ -188,16 +208,35 @@ async def _version(request: web.Request) -> web.Response:
 async def _models(request: web.Request) -> web.Response:
     settings = request.app[REPLICA].settings
     created = int(time.time())
+    permission = {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
     model = {
         "id": settings.model_name,
         "object": "model",
         "created": created,
         "owned_by": "vllm",
-        "root": settings.model_name,
+        "root": settings.model_root or settings.model_name,
         "parent": None,
         "max_model_len": settings.max_model_len,
+        "permission": [permission],
     }
-    adapters = [{**model, "id": name, "root": name, "parent": settings.model_name} for name in settings.lora_adapters]
+    # vLLM's adapter cards carry no max_model_len.
+    adapters = [
+        {**model, "id": name, "root": name, "parent": settings.model_name, "max_model_len": None}
+        for name in settings.lora_adapters
+    ]
     return web.json_response({"object": "list", "data": [model, *adapters]})
 
 
@@ -217,6 +256,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     replica = request.app[REPLICA]
     try:
         body = await _json_body(request)
+        _check_model(replica.settings, body)
         if "messages" in body:
             ids = await replica.tokenizer.chat_ids(_messages(body), body.get("tools"))
         elif isinstance(body.get("prompt"), str):
@@ -290,6 +330,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     replica = request.app[REPLICA]
     try:
         body = await _json_body(request)
+        _check_model(replica.settings, body)
         prompts = await _completion_prompts(replica, body.get("prompt"))
     except ApiError as error:
         return _error(error)
@@ -300,6 +341,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     replica = request.app[REPLICA]
     try:
         body = await _json_body(request)
+        _check_model(replica.settings, body)
         prompts = [await replica.tokenizer.chat_ids(_messages(body), body.get("tools"))]
     except ApiError as error:
         return _error(error)

@@ -51,8 +51,8 @@ rows)
         left=$(( deadline - $(date +%s) ))
         if [ "$left" -lt "$min_s" ]; then echo "== skip $name: ${left} s left, needs ${min_s}"; continue; fi
         echo "== $name (${left} s left): kvrouter bench --fleet $work/replicas.yaml $args --out $out/$name"
-        # shellcheck disable=SC2086  # ARGS is a list of words on purpose
-        timeout -s TERM -k 30 "$left" python3 -m kvrouter.cli bench --fleet "$work/replicas.yaml" $args \
+        eval "set -- $args"  # ARGS is shell words: a quoted --router-cmd 'NAME=COMMAND' stays one argument
+        timeout -s TERM -k 30 "$left" python3 -m kvrouter.cli bench --fleet "$work/replicas.yaml" "$@" \
             --out "$out/$name" || echo "== $name ended with $?"
         mkdir -p "$out/$name"  # the replicas' own counters and histograms after the rows, for calibration
         python3 - "$work/replicas.yaml" "$out/$name" <<'PY' || true
