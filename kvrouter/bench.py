@@ -373,7 +373,7 @@ def run_row(plan: BenchPlan, spec: RowSpec, scheduled: int, say: Any) -> RowData
                 sim = start_sim(
                     replicas=plan.replicas, profile=plan.profile, replicas_file=row_dir / "replicas.yaml",
                     log=row_dir / "sim.log", time_scale=plan.time_scale, tokenizer=_tokenizer(plan),
-                    extra=plan.sim_args,
+                    extra=plan.sim_args, strict_model=True,
                 )  # fmt: skip
                 children.append(sim.child)
             router, host = _start_router(plan, spec, sim, row_dir)

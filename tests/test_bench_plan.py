@@ -9,7 +9,7 @@ import pytest
 
 from kvrouter import bench, demo
 from kvrouter.cli import build_parser
-from kvrouter.loadgen.fleet import SimFleet, render_router_cmd
+from kvrouter.loadgen.fleet import FleetError, SimFleet, render_router_cmd
 
 
 def _plan(*argv: str) -> bench.BenchPlan:
@@ -68,6 +68,19 @@ def test_router_cmd_template_gets_worker_urls_and_event_sources(tmp_path: Path) 
         "--policy", "kv_aware", "--kv-event-source", "http://127.0.0.1:9000=tcp://127.0.0.1:9100",
         "--kv-event-source", "http://127.0.0.1:9001=tcp://127.0.0.1:9102", "--kv-event-block-size", "64",
     ]  # fmt: skip
+
+
+def test_router_cmd_template_gets_the_model_tokenizer_and_endpoints(tmp_path: Path) -> None:
+    fleet = {"replicas": {"sim-0": "http://127.0.0.1:9000"}, "kv_endpoints": {"sim-0": "tcp://127.0.0.1:9100"}}
+    sim = SimFleet(None, tmp_path / "r.yaml", block_size=16, model="llama 8b", tokenizer="/m/tok", **fleet)  # type: ignore[arg-type]
+    argv = render_router_cmd("peer --port {port} --model {model} --tok {tokenizer} --kv {kv_endpoints}", 1, sim)
+    assert argv == ["peer", "--port", "1", "--model", "llama", "8b", "--tok", "/m/tok", "--kv", "tcp://127.0.0.1:9100"]
+    quoted = render_router_cmd("peer --model '{model}'", 1, sim)
+    assert quoted == ["peer", "--model", "llama 8b"]
+    nameless = SimFleet(None, tmp_path / "r.yaml", block_size=16, **fleet)  # type: ignore[arg-type]
+    with pytest.raises(FleetError, match=r"uses \{tokenizer\} but .* names no tokenizer"):
+        render_router_cmd("peer --tok {tokenizer}", 1, nameless)
+    assert render_router_cmd("peer --port {port}", 1, nameless) == ["peer", "--port", "1"]
 
 
 def test_demo_is_a_valid_bench_of_three_policies() -> None:

@@ -165,6 +165,34 @@ async def test_lora_adapter_requests_get_their_own_cache(aiohttp_client: MakeCli
     assert await cached("anything-else") > 0  # served by the base model
 
 
+async def test_strict_model_refuses_another_name_as_vllm_does(
+    aiohttp_client: MakeClient, tokenizer: SimTokenizer
+) -> None:
+    settings = ReplicaSettings(
+        name="t3", model_name="tiny", max_model_len=4096, time_scale=20.0, lora_adapters=("jp",), strict_model=True,
+        model_root="/models/tiny",
+    )  # fmt: skip
+    app = build_replica_app(settings, build_engine(get_profile("cpu-tiny"), block_size=BLOCK), tokenizer)
+    client = await aiohttp_client(app)
+    for path, body in (
+        ("/v1/completions", {"model": "unknown", "prompt": "hi", "max_tokens": 1}),
+        ("/v1/chat/completions", {"model": "unknown", "messages": [{"role": "user", "content": "hi"}]}),
+        ("/tokenize", {"model": "unknown", "prompt": "hi"}),
+    ):
+        refused = await client.post(path, json=body)
+        error = (await refused.json())["error"]
+        assert refused.status == 404, path
+        assert error == {"message": "The model `unknown` does not exist.", "type": "NotFoundError", "param": "model",
+                         "code": 404}  # fmt: skip
+    for model in ("tiny", "jp", "", None):  # the served name, an adapter; missing or empty means the base model
+        body = {"prompt": "hi", "max_tokens": 1} | ({} if model is None else {"model": model})
+        assert (await client.post("/v1/completions", json=body)).status == 200, model
+    cards = (await (await client.get("/v1/models")).json())["data"]
+    assert cards[0]["root"] == "/models/tiny" and cards[0]["max_model_len"] == 4096
+    assert cards[0]["permission"][0]["object"] == "model_permission"
+    assert cards[1]["id"] == "jp" and cards[1]["parent"] == "tiny" and cards[1]["max_model_len"] is None
+
+
 async def test_time_scale_paces_tokens_like_the_profile(aiohttp_client: MakeClient, tokenizer: SimTokenizer) -> None:
     profile = get_profile("cpu-tiny")
     scale = 4.0

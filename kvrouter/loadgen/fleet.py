@@ -263,10 +263,11 @@ def start_sim(
     time_scale: float = 1.0,
     tokenizer: Path | None = None,
     extra: Sequence[str] = (),
-    strict_model: bool = True,
+    strict_model: bool = False,
 ) -> SimFleet:
     """`strict_model`: the replicas refuse, as vLLM does, a request naming another model (404), so a router that
-    rewrites the name fails here as it would on real replicas."""
+    rewrites the name fails here as it would on real replicas (bench's rows); off, any name is served (the soak
+    and fault scripts, which test the router rather than the name)."""
     base_port = free_port_range(3 * replicas + 2)  # HTTP ports, then a PUB and a replay port per replica
     argv = kvrouter_argv(
         "sim", "--replicas", str(replicas), "--profile", profile, "--base-port", str(base_port),
