@@ -214,14 +214,17 @@ def fit_costs(
             scaled.append([1.0 if k == j else 0.0 for k in range(3)])
             targets.append(prior_scaled[j])
             multiplicity.append(config.prior_samples)
+    columns = ([x[0] for x in scaled], [x[1] for x in scaled], [x[2] for x in scaled])
     beta = prior_scaled
     weights = multiplicity  # the first pass is plain least squares; then each residual reweights its row
     for _ in range(config.iterations):
-        solved = _solve_nonnegative(scaled, targets, weights)
+        solved = _solve_nonnegative(columns, targets, weights)
         if solved is None:
             return None
         beta = solved
-        residuals = [y - sum(x[j] * beta[j] for j in range(3)) for x, y in zip(scaled, targets, strict=True)]
+        b0, b1, b2 = beta
+        # sum() of the three terms, as a residual was always computed (the same float result on every Python).
+        residuals = [y - sum((x0 * b0, x1 * b1, x2 * b2)) for x0, x1, x2, y in zip(*columns, targets, strict=True)]
         weights = [m / max(abs(r), floor) for r, m in zip(residuals, multiplicity, strict=True)]
     pass_s, per_request, per_token = (beta[j] / scales[j] for j in range(3))
     if not all(math.isfinite(value) for value in (pass_s, per_request, per_token)):
@@ -231,23 +234,14 @@ def fit_costs(
 
 
 def _solve_nonnegative(
-    rows: Sequence[Sequence[float]],
+    columns: tuple[Sequence[float], Sequence[float], Sequence[float]],
     targets: Sequence[float],
     weights: Sequence[float],
 ) -> list[float] | None:
     """Weighted least squares with coefficients >= 0 (a negative one is pinned at 0 and the rest refit)."""
     free = [0, 1, 2]
     while free:
-        size = len(free)
-        matrix = [[0.0] * size for _ in range(size)]
-        vector = [0.0] * size
-        for x, y, w in zip(rows, targets, weights, strict=True):
-            for a, j in enumerate(free):
-                wx = w * x[j]
-                vector[a] += wx * y
-                row = matrix[a]
-                for b, k in enumerate(free):
-                    row[b] += wx * x[k]
+        matrix, vector = _normal_equations(columns, targets, weights, free)
         solution = _gauss(matrix, vector)
         if solution is None:
             return None
@@ -259,6 +253,48 @@ def _solve_nonnegative(
             return beta
         free = [j for j in free if j not in negative]
     return [0.0, 0.0, 0.0]
+
+
+def _normal_equations(
+    columns: tuple[Sequence[float], Sequence[float], Sequence[float]],
+    targets: Sequence[float],
+    weights: Sequence[float],
+    free: list[int],
+) -> tuple[list[list[float]], list[float]]:
+    """X'WX and X'Wy over the `free` columns, each entry summed row by row in row order. The three-column case
+    (every fit's first solve, usually its only one) is unrolled: a refit runs it `iterations` times per 16 requests,
+    on the request path, and the unrolled sums are the same float operations in the same order."""
+    if free == [0, 1, 2]:
+        v0 = v1 = v2 = m00 = m01 = m02 = m10 = m11 = m12 = m20 = m21 = m22 = 0.0
+        for x0, x1, x2, y, w in zip(*columns, targets, weights, strict=True):
+            a0 = w * x0
+            a1 = w * x1
+            a2 = w * x2
+            v0 += a0 * y
+            v1 += a1 * y
+            v2 += a2 * y
+            m00 += a0 * x0
+            m01 += a0 * x1
+            m02 += a0 * x2
+            m10 += a1 * x0
+            m11 += a1 * x1
+            m12 += a1 * x2
+            m20 += a2 * x0
+            m21 += a2 * x1
+            m22 += a2 * x2
+        return [[m00, m01, m02], [m10, m11, m12], [m20, m21, m22]], [v0, v1, v2]
+    size = len(free)
+    matrix = [[0.0] * size for _ in range(size)]
+    vector = [0.0] * size
+    picked = [columns[j] for j in free]
+    for i, (y, w) in enumerate(zip(targets, weights, strict=True)):
+        for a in range(size):
+            wx = w * picked[a][i]
+            vector[a] += wx * y
+            row = matrix[a]
+            for b in range(size):
+                row[b] += wx * picked[b][i]
+    return matrix, vector
 
 
 def _gauss(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
