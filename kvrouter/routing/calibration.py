@@ -223,9 +223,12 @@ def fit_costs(
             return None
         beta = solved
         b0, b1, b2 = beta
-        # sum() of the three terms, as a residual was always computed (the same float result on every Python).
-        residuals = [y - sum((x0 * b0, x1 * b1, x2 * b2)) for x0, x1, x2, y in zip(*columns, targets, strict=True)]
-        weights = [m / max(abs(r), floor) for r, m in zip(residuals, multiplicity, strict=True)]
+        # Each row's weight is multiplicity / max(|residual|, floor). The residual is y - sum() of the three terms,
+        # as it always was computed (the same float on every Python), and `floor if floor > a else a` is max().
+        weights = [
+            m / (floor if floor > (a := abs(y - sum((x0 * b0, x1 * b1, x2 * b2)))) else a)
+            for x0, x1, x2, y, m in zip(*columns, targets, multiplicity, strict=True)
+        ]
     pass_s, per_request, per_token = (beta[j] / scales[j] for j in range(3))
     if not all(math.isfinite(value) for value in (pass_s, per_request, per_token)):
         return None
