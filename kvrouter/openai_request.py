@@ -60,6 +60,9 @@ class ParsedRequest:
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
     """Completions only: a string, a batch of strings, token ids, or a batch of token ids."""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    finite_json: bool = False
+    """The body was decoded by msgspec, so it holds plain JSON values only (no NaN or Infinity): msgspec encodes
+    it back to the same values."""
 
 
 def _fail(message: str, param: str | None = None) -> RequestError:
@@ -135,16 +138,22 @@ _JSON = msgspec.json.Decoder()
 def decode_json(raw: bytes) -> Any:
     """`json.loads(raw)`, faster where msgspec agrees with it (it decodes the same values; where it refuses,
     json.loads decides: its value or its error)."""
+    return _decode(raw)[0]
+
+
+def _decode(raw: bytes) -> tuple[Any, bool]:
+    """decode_json's value, and whether msgspec decoded it (then it holds no NaN or Infinity, which only json.loads
+    accepts)."""
     try:
-        return _JSON.decode(raw)
+        return _JSON.decode(raw), True
     except (msgspec.DecodeError, RecursionError):
-        return json.loads(raw)
+        return json.loads(raw), False
 
 
 def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     """Decode `raw` (already size-checked) or raise `RequestError`."""
     try:
-        body = decode_json(raw)
+        body, finite = _decode(raw)
     except UnicodeDecodeError:
         raise _fail("request body is not valid UTF-8") from None
     except (json.JSONDecodeError, RecursionError):
@@ -169,9 +178,11 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     if endpoint == "chat":
         if "messages" not in body:
             raise _fail("'messages' is required", "messages")
+        messages = _check_messages(body["messages"])
         return ParsedRequest(
-            endpoint, body, model, stream, max_tokens, cache_salt, messages=_check_messages(body["messages"])
+            endpoint, body, model, stream, max_tokens, cache_salt, messages=messages, finite_json=finite
         )
     if "prompt" not in body:
         raise _fail("'prompt' is required", "prompt")
-    return ParsedRequest(endpoint, body, model, stream, max_tokens, cache_salt, prompt=_check_prompt(body["prompt"]))
+    prompt = _check_prompt(body["prompt"])
+    return ParsedRequest(endpoint, body, model, stream, max_tokens, cache_salt, prompt=prompt, finite_json=finite)

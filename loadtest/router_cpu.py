@@ -410,10 +410,11 @@ def start_router(
 
 
 def start_peer(spec: str, worker_urls: list[str]) -> RouterProcess:
-    """Another router, `NAME=COMMAND` with `{port}` and `{worker_urls}` (space-separated) in COMMAND."""
+    """Another router, `NAME=COMMAND` with `{port}`, `{worker_urls}` (space-separated) and `{metrics_port}` (another
+    free port, for a peer's own metrics listener: sglang-router and smg both default to 29000) in COMMAND."""
     name, _, template = spec.partition("=")
     port = free_port()
-    command = template.format(port=port, worker_urls=" ".join(worker_urls))
+    command = template.format(port=port, worker_urls=" ".join(worker_urls), metrics_port=free_port())
     return RouterProcess(name, "peer", port, subprocess.Popen(shlex.split(command), stdout=subprocess.DEVNULL))
 
 
@@ -582,7 +583,11 @@ def main() -> int:
         help="a setting for this checkout's routers only (a knob against the baseline)",
     )
     parser.add_argument(
-        "--peer", action="append", default=[], metavar="NAME=COMMAND", help="another router ({port}, {worker_urls})"
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME=COMMAND",
+        help="another router ({port}, {worker_urls}, {metrics_port})",
     )
     parser.add_argument("--workers-check", action="store_true", help="also --workers 2 vs 1 throughput")
     parser.add_argument("--serve-replicas", help=argparse.SUPPRESS)

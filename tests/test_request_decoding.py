@@ -1,4 +1,5 @@
-"""The request body decoder is `json.loads` exactly: the same values, and the same refusals, on any bytes."""
+"""The request body decoder is `json.loads` exactly: the same values, and the same refusals, on any bytes; the body
+forwarded as a stream carries the same values again."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrouter.openai_request import decode_json
+from kvrouter.openai_request import decode_json, parse_request
+from kvrouter.server.assembly import streamed_body
 
 SCALARS = st.one_of(
     st.none(),
@@ -70,3 +72,23 @@ def test_any_bytes_give_json_loads_value_or_its_error(raw: bytes) -> None:
     except Exception as error:
         got = type(error)
     assert _same(got, expected)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.text(), VALUES, max_size=6), st.booleans())
+def test_the_streamed_body_carries_the_values_json_would(extra: dict[str, object], ascii_only: bool) -> None:
+    """A non-streaming request is forwarded as a stream: msgspec re-encodes a body it decoded, json one that only
+    json.loads accepts; either way the replica reads back exactly what the client sent, plus the stream fields."""
+    body = {**extra, "model": "m", "prompt": "p"}
+    raw = json.dumps(body, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    forwarded = streamed_body(parse_request("completion", raw))
+    expected = {**json.loads(raw), "stream": True, "stream_options": {"include_usage": True}}
+    assert _same(json.loads(forwarded), expected)
+
+
+def test_a_streamed_body_keeps_nan_and_infinity_as_the_client_sent_them() -> None:
+    parsed = parse_request("completion", b'{"model":"m","prompt":"p","temperature":NaN,"top_p":-Infinity}')
+    assert not parsed.finite_json
+    forwarded = json.loads(streamed_body(parsed))
+    assert math.isnan(forwarded["temperature"]) and forwarded["top_p"] == -math.inf
+    assert parse_request("completion", b'{"model":"m","prompt":"p"}').finite_json

@@ -34,6 +34,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvrouter.openai_request import Endpoint, ParsedRequest
 from kvrouter.typedefs import ReplicaName
 
@@ -134,11 +136,22 @@ def assemblable(parsed: ParsedRequest) -> bool:
 
 
 def streamed_body(parsed: ParsedRequest) -> bytes:
-    """The request as a stream with a final usage chunk; every other field as the client sent it."""
+    """The request as a stream with a final usage chunk; every other field as the client sent it. A body msgspec
+    decoded is encoded by msgspec too (~0.1x json's time on an 18 KB prompt; the same values); one json.loads
+    decided (NaN, which msgspec would write as null) or msgspec cannot encode (a lone surrogate) by json."""
     body = dict(parsed.body)
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
+    if parsed.finite_json:
+        try:
+            return _ENCODER.encode(body)
+        except (UnicodeEncodeError, OverflowError, TypeError, RecursionError):
+            pass
     return _compact(body)
+
+
+_ENCODER = msgspec.json.Encoder()
+"""Stateless, like the request decoder: shared, not a singleton."""
 
 
 def _compact(value: Any) -> bytes:
