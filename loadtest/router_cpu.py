@@ -187,6 +187,13 @@ def _replica_protocol(events: _Events | None) -> type[asyncio.Protocol]:
     class FastReplica(asyncio.Protocol):
         COMPLETION = _http("200 OK", _COMPLETION, b"application/json")
         HEALTH = _http("200 OK", b"", b"text/plain")
+        # Routers that learn a worker's model from it (smg) ask /v1/models; vLLM's list, one card.
+        MODELS = _http(
+            "200 OK",
+            b'{"object":"list","data":[{"id":"bench-model","object":"model","created":0,"owned_by":"vllm",'
+            b'"root":"bench-model","parent":null,"max_model_len":32768}]}',
+            b"application/json",
+        )
         METRICS = _http(
             "200 OK",
             b'vllm:num_requests_running{engine="0"} 0.0\nvllm:num_requests_waiting{engine="0"} 0.0\n'
@@ -223,6 +230,8 @@ def _replica_protocol(events: _Events | None) -> type[asyncio.Protocol]:
                     self.transport.write(self.HEALTH)
                 elif path.startswith("/metrics"):
                     self.transport.write(self.METRICS)
+                elif path.startswith("/v1/models"):
+                    self.transport.write(self.MODELS)
                 else:
                     self.answer(body)
 
