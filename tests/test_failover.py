@@ -35,7 +35,9 @@ pytestmark = pytest.mark.redis
 __all__ = ["redis_server"]
 
 REPO = Path(__file__).resolve().parents[1]
-CHUNKS, CHUNK_DELAY_S = 24, 0.5
+# The survivors' streams must outlast the replacement's start (a few seconds; over 10 s once on a loaded 2-core
+# machine, when 12 s streams ended before it answered and its view of the fleet's load was rightly 0, not 6).
+CHUNKS, CHUNK_DELAY_S = 40, 0.5
 BODY = {"model": "fake-model", "prompt": "hello", "stream": True, "max_tokens": CHUNKS}
 
 
