@@ -77,15 +77,36 @@ static PyObject *py_chain_keys(PyObject *module, PyObject *args) {
         return NULL;
     PyObject *result = NULL;
     unsigned char *buffer = NULL;
-    PyObject *fast = PySequence_Fast(tokens_obj, "token ids must be a sequence");
-    if (fast == NULL)
-        goto done;
+    PyObject *fast = NULL;
+    Py_buffer words_view;
+    int have_words = 0;
+    const u32 *word_items = NULL;
+    PyObject **items = NULL;
+    Py_ssize_t count = 0;
     if (block_size < 1) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
         goto done;
     }
-    Py_ssize_t blocks = PySequence_Fast_GET_SIZE(fast) / block_size;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
+    /* 4-byte unsigned ints in a buffer (array('I'), the tokenizer's cached renders): read in place, no int
+     * objects. Anything else is a sequence of ints. */
+    if (!PyList_Check(tokens_obj) && !PyTuple_Check(tokens_obj) && PyObject_CheckBuffer(tokens_obj)) {
+        if (PyObject_GetBuffer(tokens_obj, &words_view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        have_words = 1;
+        if (words_view.itemsize != 4 || words_view.format == NULL || strcmp(words_view.format, "I") != 0) {
+            PyErr_SetString(PyExc_TypeError, "a token-id buffer must hold 4-byte unsigned ints (array('I'))");
+            goto done;
+        }
+        word_items = (const u32 *)words_view.buf;
+        count = words_view.len / 4;
+    } else {
+        fast = PySequence_Fast(tokens_obj, "token ids must be a sequence");
+        if (fast == NULL)
+            goto done;
+        items = PySequence_Fast_ITEMS(fast);
+        count = PySequence_Fast_GET_SIZE(fast);
+    }
+    Py_ssize_t blocks = count / block_size;
     size_t words = (size_t)block_size * 4;
     size_t head = (size_t)root.len > 8 ? (size_t)root.len : 8;
     buffer = PyMem_Malloc(head + words);
@@ -102,7 +123,9 @@ static PyObject *py_chain_keys(PyObject *module, PyObject *args) {
         unsigned char *out = buffer + prefix;
         for (Py_ssize_t t = 0; t < block_size; t++) {
             u32 word;
-            if (token_word(items[b * block_size + t], &word) < 0) {
+            if (word_items != NULL) {
+                word = word_items[b * block_size + t];
+            } else if (token_word(items[b * block_size + t], &word) < 0) {
                 Py_CLEAR(result);
                 goto done;
             }
@@ -122,6 +145,8 @@ static PyObject *py_chain_keys(PyObject *module, PyObject *args) {
 done:
     PyMem_Free(buffer);
     Py_XDECREF(fast);
+    if (have_words)
+        PyBuffer_Release(&words_view);
     PyBuffer_Release(&root);
     return result;
 }

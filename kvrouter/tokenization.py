@@ -42,7 +42,7 @@ import threading
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,14 +148,15 @@ class RenderCache:
         self.partial_hits = 0
         self.misses = 0
 
-    def exact(self, text: str) -> list[int] | None:
+    def exact(self, text: str) -> array[int] | None:
+        """The cached render's ids, shared with the cache: read them, never change them."""
         with self._lock:
             render = self._entries.get(text)
             if render is None:
                 return None
             self._entries.move_to_end(text)
             self.hits += 1
-            return render.ids.tolist()
+            return render.ids
 
     def best_prefix(self, text: str) -> _Render | None:
         """The cached render's part (text, ids, boundaries) up to the last safe boundary inside the longest
@@ -318,7 +319,7 @@ class HfPromptTokenizer:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._large_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def prompt_token_ids(self, request: ParsedRequest) -> list[list[int]]:
+    async def prompt_token_ids(self, request: ParsedRequest) -> list[Sequence[int]]:
         """Token ids of every prompt of `request`; 413/400/429 `RequestError`s for what the limits refuse."""
         try:
             chars = self.check(request)
@@ -367,15 +368,18 @@ class HfPromptTokenizer:
 
     # ---- synchronous core (runs on the pool) --------------------------------------------------------------
 
-    def token_ids(self, request: ParsedRequest) -> list[list[int]]:
+    def token_ids(self, request: ParsedRequest) -> list[Sequence[int]]:
+        """Token ids of every prompt: lists, or (a chat prompt) the render cache's 4-byte array, shared with it
+        and read-only, which block keys hash in place (no list of thousands of ints per request)."""
         body = request.body
         add_special = body.get("add_special_tokens")
         if add_special is not None and not isinstance(add_special, bool):
             raise RequestError("'add_special_tokens' must be a boolean", param="add_special_tokens")
+        prompts: list[Sequence[int]]
         if request.endpoint == "chat":
             prompts = [self._chat_ids(request, bool(add_special))]
         else:
-            prompts = self._completion_ids(request, True if add_special is None else add_special)
+            prompts = list(self._completion_ids(request, True if add_special is None else add_special))
         truncate = body.get("truncate_prompt_tokens")
         if isinstance(truncate, int) and not isinstance(truncate, bool) and truncate > 0:
             prompts = [ids[-truncate:] for ids in prompts]
@@ -468,7 +472,7 @@ class HfPromptTokenizer:
             result["tool_calls"] = [_tool_call(call) for call in calls]
         return result
 
-    def _chat_ids(self, request: ParsedRequest, add_special: bool) -> list[int]:
+    def _chat_ids(self, request: ParsedRequest, add_special: bool) -> Sequence[int]:
         text = self.render(request)
         if add_special:
             return self._encode(text, True)
@@ -478,7 +482,7 @@ class HfPromptTokenizer:
         head = self.cache.best_prefix(text)
         render = self._tokenize_render(text, head or _Render("", array("I"), [], []))
         self.cache.put(render)
-        return render.ids.tolist()
+        return render.ids
 
     def _tokenize_render(self, text: str, head: _Render) -> _Render:
         """Tokenize what follows `head` (a known start of `text`) and note the safe boundaries.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import xxhash
 from hypothesis import given, settings
@@ -36,7 +38,19 @@ def test_xxh3_matches_the_xxhash_package(data: bytes, seed: int) -> None:
     ),
 )
 def test_chained_keys_match_the_python_path(tokens: list[int], block_size: int, seed: int, root: bytes) -> None:
-    assert _blockkeys.chain_keys(tokens, block_size, seed, root) == python_chain_keys(tokens, block_size, seed, root)
+    expected = python_chain_keys(tokens, block_size, seed, root)
+    assert _blockkeys.chain_keys(tokens, block_size, seed, root) == expected
+    # The tokenizer's cached renders are array('I'): hashed in place, the same keys; a tuple (an event) too.
+    assert _blockkeys.chain_keys(array("I", tokens), block_size, seed, root) == expected
+    assert _blockkeys.chain_keys(memoryview(array("I", tokens)), block_size, seed, root) == expected
+    assert _blockkeys.chain_keys(tuple(tokens), block_size, seed, root) == expected
+    assert python_chain_keys(array("I", tokens), block_size, seed, root) == expected
+
+
+@pytest.mark.parametrize("buffer", [array("H", [1, 2]), array("Q", [1, 2]), array("i", [1, 2]), b"abcd", bytearray(4)])
+def test_a_buffer_of_anything_but_4_byte_unsigned_ints_is_refused(buffer: object) -> None:
+    with pytest.raises(TypeError, match="4-byte unsigned ints"):
+        _blockkeys.chain_keys(buffer, 1, 0, b"")
 
 
 def test_chain_keys_takes_the_c_path_and_keeps_its_contract() -> None:

@@ -10,6 +10,7 @@ prompt blocks a request itself stored are exactly the ones that were not cached.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -23,6 +24,12 @@ from kvrouter.tokenization import HfPromptTokenizer
 from kvrouter.typedefs import BlockKey, ReplicaName
 from tests.shared_data import VLLM_CAPTURES, requires_shared
 from tests.vllm_captures import CAPTURES, messages, model_dir, requests, run_info
+
+
+def lists(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """A chat prompt's ids come as the render cache's array('I'): compare them as lists."""
+    return [list(prompt) for prompt in prompts]
+
 
 _shared_data = requires_shared(VLLM_CAPTURES)
 REPLICA = ReplicaName("engine")
@@ -50,7 +57,7 @@ def _batches(run: str) -> dict[int, EventBatch]:
 def _prompt_ids(tokenizer: HfPromptTokenizer, record: dict[str, Any]) -> list[int]:
     endpoint = "chat" if "chat" in record["endpoint"] else "completion"
     request = parse_request(endpoint, json.dumps(record["request"]).encode())
-    prompts = tokenizer.token_ids(request)
+    prompts = lists(tokenizer.token_ids(request))
     assert len(prompts) == 1
     return prompts[0]
 

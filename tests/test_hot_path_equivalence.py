@@ -91,7 +91,7 @@ def test_decisions_and_predictions_equal_the_plain_definitions() -> None:
             routed = router.commit(decision, facts, next(r for r in ROUTES if r.name == decision.chosen))
             decisions.append(decision)
             predicted.append(routed.predicted_cached)
-            keys.append(facts.prompts)
+            keys.append([list(prompt) for prompt in facts.prompts or ()])  # the fast path's ids are an array
             routed_pair.append(routed)
         assert keys[0] == keys[1], "the token ids differ"
         assert decisions[0] == decisions[1]

@@ -6,6 +6,7 @@ import json
 import random
 import re
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,11 @@ from kvrouter.openai_request import ParsedRequest, RequestError, parse_request
 from kvrouter.tinymodel import ensure_tokenizer
 from kvrouter.tokenization import HfPromptTokenizer, build_prompt_tokenizer
 from tests.vllm_captures import model_dir
+
+
+def lists(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """A chat prompt's ids come as the render cache's array('I'): compare them as lists."""
+    return [list(prompt) for prompt in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +53,10 @@ def fresh_chat_ids(tokenizer: HfPromptTokenizer, request: ParsedRequest) -> list
 def test_the_captured_models_chat_and_completion_ids_equal_vllms_render() -> None:
     tokenizer = HfPromptTokenizer(model_dir(), threads=1)
     messages = [{"role": "system", "content": "short system"}, {"role": "user", "content": "Hello there"}]
-    assert tokenizer.token_ids(chat(messages=messages)) == [
+    assert lists(tokenizer.token_ids(chat(messages=messages))) == [
         [5, 205, 2388, 1865, 6, 205, 3, 205, 3056, 358, 1365, 6, 205, 4, 205]
     ]
-    assert tokenizer.token_ids(completion(prompt="Hello world, this is a render test.")) == [
+    assert lists(tokenizer.token_ids(completion(prompt="Hello world, this is a render test."))) == [
         [0, 3056, 358, 7814, 18, 542, 317, 273, 8083, 1105, 20]
     ]
 
@@ -60,21 +66,21 @@ def test_the_captured_models_chat_and_completion_ids_equal_vllms_render() -> Non
 
 def test_completion_prompt_shapes(tiny: HfPromptTokenizer) -> None:
     bos = tiny.tokenizer.bos_token_id
-    one = tiny.token_ids(completion(prompt="def f(x):\n    return x"))
+    one = lists(tiny.token_ids(completion(prompt="def f(x):\n    return x")))
     assert len(one) == 1 and one[0][0] == bos and one[0].count(bos) == 1
-    batch = tiny.token_ids(completion(prompt=["import os", "import sys"]))
+    batch = lists(tiny.token_ids(completion(prompt=["import os", "import sys"])))
     assert len(batch) == 2 and all(p[0] == bos for p in batch)
-    assert tiny.token_ids(completion(prompt=[5, 6, 7])) == [[5, 6, 7]]
-    assert tiny.token_ids(completion(prompt=[[5, 6], [7]])) == [[5, 6], [7]]
-    without = tiny.token_ids(completion(prompt="import os", add_special_tokens=False))
+    assert lists(tiny.token_ids(completion(prompt=[5, 6, 7]))) == [[5, 6, 7]]
+    assert lists(tiny.token_ids(completion(prompt=[[5, 6], [7]]))) == [[5, 6], [7]]
+    without = lists(tiny.token_ids(completion(prompt="import os", add_special_tokens=False)))
     assert without == [batch[0][1:]]
-    assert tiny.token_ids(completion(prompt=[1, 2, 3, 4, 5], truncate_prompt_tokens=2)) == [[4, 5]]
+    assert lists(tiny.token_ids(completion(prompt=[1, 2, 3, 4, 5], truncate_prompt_tokens=2))) == [[4, 5]]
 
 
 def test_chat_has_exactly_one_bos_and_the_generation_prompt(tiny: HfPromptTokenizer) -> None:
     bos = tiny.tokenizer.bos_token_id
     messages = [{"role": "user", "content": "hi"}]
-    ids = tiny.token_ids(chat(messages=messages))[0]
+    ids = lists(tiny.token_ids(chat(messages=messages)))[0]
     assert ids[0] == bos and ids.count(bos) == 1
     assert tiny.render(chat(messages=messages)).endswith("<|assistant|>\n")
     assert not tiny.render(chat(messages=messages, add_generation_prompt=False)).endswith("<|assistant|>\n")
@@ -82,7 +88,7 @@ def test_chat_has_exactly_one_bos_and_the_generation_prompt(tiny: HfPromptTokeni
     text = tiny.render(chat(messages=continued, add_generation_prompt=False, continue_final_message=True))
     assert text.endswith("<|assistant|>\nHel")
     # add_special_tokens=True on a chat request doubles the BOS, as it does in vLLM.
-    assert tiny.token_ids(chat(messages=messages, add_special_tokens=True))[0][:2] == [bos, bos]
+    assert lists(tiny.token_ids(chat(messages=messages, add_special_tokens=True)))[0][:2] == [bos, bos]
 
 
 def test_tools_text_parts_and_tool_call_arguments(tiny: HfPromptTokenizer) -> None:
@@ -122,7 +128,7 @@ def test_requests_that_cannot_be_rendered_are_400(tiny: HfPromptTokenizer, body:
         "{{ m['content'] }}{% endfor %}"
     )
     with pytest.raises(RequestError) as caught:
-        tiny.token_ids(chat(**body))
+        lists(tiny.token_ids(chat(**body)))
     assert caught.value.status == 400
 
 
@@ -138,11 +144,11 @@ def test_a_growing_conversation_reuses_the_previous_turn_and_equals_a_fresh_toke
     for turn in range(12):
         messages.append({"role": "user", "content": "".join(rng.choices(words, k=rng.randint(5, 60)))})
         request = chat(messages=messages)
-        assert tiny.token_ids(request) == [fresh_chat_ids(tiny, request)], f"turn {turn}"
+        assert lists(tiny.token_ids(request)) == [fresh_chat_ids(tiny, request)], f"turn {turn}"
         messages.append({"role": "assistant", "content": "".join(rng.choices(words, k=rng.randint(1, 40)))})
     assert tiny.cache.partial_hits >= 10
     again = chat(messages=messages[:-1])
-    assert tiny.token_ids(again) == [fresh_chat_ids(tiny, again)]
+    assert lists(tiny.token_ids(again)) == [fresh_chat_ids(tiny, again)]
     assert tiny.cache.hits >= 1
 
 
@@ -152,7 +158,7 @@ def test_when_added_token_text_and_ids_disagree_the_offsets_decide(tiny: HfPromp
     for turn in range(4):
         messages.append({"role": "user", "content": f"question {turn}\n\n"})
         request = chat(messages=messages)
-        assert tiny.token_ids(request) == [fresh_chat_ids(tiny, request)]
+        assert lists(tiny.token_ids(request)) == [fresh_chat_ids(tiny, request)]
         messages.append({"role": "assistant", "content": f" answer {turn} "})
     assert tiny.cache.partial_hits >= 3
 
@@ -177,7 +183,7 @@ def test_a_tokenizer_that_treats_an_inputs_first_piece_specially_gets_no_unsafe_
     for turn in range(4):
         messages.append({"role": "user", "content": "hello world the fox " * 40 + str(turn)})
         request = chat(messages=messages)
-        assert tokenizer.token_ids(request) == [fresh_chat_ids(tokenizer, request)]
+        assert lists(tokenizer.token_ids(request)) == [fresh_chat_ids(tokenizer, request)]
     tokenizer.close()
 
 
@@ -185,13 +191,13 @@ def test_sibling_conversations_sharing_a_system_prompt_are_exact(tiny: HfPromptT
     system = {"role": "system", "content": "You are a careful assistant. " * 40}
     for question in ["What is 2+2?", "What is 2+2?\n", "What", "What is 2+2? Explain.", ""]:
         request = chat(messages=[system, {"role": "user", "content": question}])
-        assert tiny.token_ids(request) == [fresh_chat_ids(tiny, request)]
+        assert lists(tiny.token_ids(request)) == [fresh_chat_ids(tiny, request)]
 
 
 def test_the_cache_is_bounded(tiny_dir: Path) -> None:
     tokenizer = HfPromptTokenizer(tiny_dir, threads=1, cache_entries=3)
     for n in range(10):
-        tokenizer.token_ids(chat(messages=[{"role": "user", "content": f"question {n} " * 200}]))
+        lists(tokenizer.token_ids(chat(messages=[{"role": "user", "content": f"question {n} " * 200}])))
     assert len(tokenizer.cache) == 3
     tokenizer.close()
 

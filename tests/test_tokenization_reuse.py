@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,12 @@ from kvrouter.openai_request import ParsedRequest, parse_request
 from kvrouter.tinymodel import ensure_tokenizer
 from kvrouter.tokenization import HfPromptTokenizer, _native_common_prefix, _shared_prefix
 from tests.vllm_captures import model_dir
+
+
+def lists(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """A chat prompt's ids come as the render cache's array('I'): compare them as lists."""
+    return [list(prompt) for prompt in prompts]
+
 
 # Text right against the added tokens, before and after, with and without whitespace.
 TIGHT = (
@@ -95,7 +102,7 @@ def test_a_growing_conversation_equals_whole_prompt_tokenization(
     for user, assistant in turns:
         messages.append({"role": "user", "content": user})
         request = chat(messages)
-        assert prompt.token_ids(request) == [whole(prompt, request)]
+        assert lists(prompt.token_ids(request)) == [whole(prompt, request)]
         messages.append({"role": "assistant", "content": assistant})
 
 
@@ -108,7 +115,7 @@ def test_siblings_sharing_a_system_prompt_equal_whole_prompt_tokenization(
     head = {"role": "system", "content": "Answer briefly. " * 60 + system}
     for question in questions:
         request = chat([head, {"role": "user", "content": question}])
-        assert prompt.token_ids(request) == [whole(prompt, request)]
+        assert lists(prompt.token_ids(request)) == [whole(prompt, request)]
 
 
 def test_the_cache_reuses_prefixes_here(tmp_path: Path) -> None:
@@ -116,7 +123,7 @@ def test_the_cache_reuses_prefixes_here(tmp_path: Path) -> None:
     prompt = HfPromptTokenizer(ensure_tokenizer(), threads=1)
     head = {"role": "system", "content": "Answer briefly. " * 60}
     for question in ["a", "b", "c"]:
-        prompt.token_ids(chat([head, {"role": "user", "content": question}]))
+        lists(prompt.token_ids(chat([head, {"role": "user", "content": question}])))
     assert prompt.cache.partial_hits == 2
     prompt.close()
 

@@ -32,7 +32,7 @@ from kvrouter.typedefs import BlockKey, ReplicaName, ReplicaRole, Tier
 
 
 class PromptTokenizer(Protocol):
-    async def prompt_token_ids(self, request: ParsedRequest) -> list[list[int]]:
+    async def prompt_token_ids(self, request: ParsedRequest) -> Sequence[Sequence[int]]:
         """Token ids the engine will see, one list per prompt (a batch has several); raises RequestError."""
         ...
 
@@ -88,8 +88,8 @@ class Route:
 
 @dataclass(slots=True)
 class RoutingFacts:
-    prompts: list[list[int]] | None
-    """None when no tokenizer is configured (routing on load only)."""
+    prompts: Sequence[Sequence[int]] | None
+    """None when no tokenizer is configured (routing on load only). A prompt may be a read-only array('I')."""
     lora: str | None = None
     cache_salt: str | None = None
     max_tokens: int | None = None
