@@ -151,7 +151,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="Default: 0.9 / per-gpu.")
     parser.add_argument("--kv-cache-memory-bytes", default=None, help="KV cache per replica, e.g. 6G.")
-    parser.add_argument("--topic", default="kv-events")
+    parser.add_argument(
+        "--topic",
+        default="",
+        help="KV-event topic (default: vLLM's own, empty; vllm-router 0.1.17 applies no events under another).",
+    )
     parser.add_argument("--python", default=sys.executable, help="The interpreter that has vLLM.")
     parser.add_argument("--out", type=Path, default=Path("replicas.yaml"), help="Where to write replicas.yaml.")
     parser.add_argument("--log-dir", type=Path, default=Path("vllm-logs"))

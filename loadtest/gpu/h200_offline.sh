@@ -32,9 +32,10 @@ up)
     model=${1:?}; work=${2:?}; gpus=${3:-0}; per_gpu=${4:-4}; kv_bytes=${5:-6G}; util=${6:-0.2}
     mkdir -p "$work"; rm -f "$work/replicas.yaml"
     # FlashInfer is not in the bundle: vLLM's sampler falls back to its PyTorch one.
-    # --topic '': vLLM's own default KV-event topic. vllm-router 0.1.17's --kv-event-source has no topic and applies
-    # no batch published under another one (docs/loadtests/vllm-router-kv-cpu); kvrouter reads it from replicas.yaml.
-    VLLM_USE_FLASHINFER_SAMPLER=0 setsid python3 "$ROOT/deploy/gpu/vllm_fleet.py" --model "$model" --topic '' \
+    # vllm_fleet.py's KV-event topic is vLLM's own default, '': vllm-router 0.1.17's --kv-event-source has no topic
+    # and applies no batch published under another one (docs/loadtests/vllm-router-kv-cpu); kvrouter reads it from
+    # replicas.yaml.
+    VLLM_USE_FLASHINFER_SAMPLER=0 setsid python3 "$ROOT/deploy/gpu/vllm_fleet.py" --model "$model" \
         --served-model-name llama8b-shape --gpus "$gpus" --per-gpu "$per_gpu" --gpu-memory-utilization "$util" \
         --kv-cache-memory-bytes "$kv_bytes" --out "$work/replicas.yaml" --log-dir "$work/logs" \
         -- --load-format dummy --enable-auto-tool-choice --tool-call-parser hermes >"$work/fleet.log" 2>&1 < /dev/null &
