@@ -463,6 +463,7 @@ async def measure(args: argparse.Namespace, routers: list[RouterProcess], system
             await drive(router.port, args.concurrency, first)
     cpu: dict[tuple[str, str], list[float]] = {}
     rates: dict[tuple[str, str], list[float]] = {}
+    dropped: dict[tuple[str, str], int] = {}
     for repeat in range(args.repeats):
         for name, work in workloads(args, systems, f"r{repeat}"):
             order = routers if repeat % 2 == 0 else routers[::-1]
@@ -471,10 +472,13 @@ async def measure(args: argparse.Namespace, routers: list[RouterProcess], system
                 run = await drive(router.port, args.concurrency, work)
                 used = cpu_seconds(router.process.pid) - before
                 key = (name, f"{router.label} {router.policy}")
+                if run.errors:
+                    # A failed request costs a router far less than a served one: such a run is no figure.
+                    print(f"  {key}: {run.errors} errors of {run.requests}: run left out")
+                    dropped[key] = dropped.get(key, 0) + 1
+                    continue
                 cpu.setdefault(key, []).append(used / max(1, run.requests) * 1e6)
                 rates.setdefault(key, []).append(run.requests / run.seconds)
-                if run.errors:
-                    print(f"  {key}: {run.errors} errors of {run.requests}")
         print(f"repeat {repeat + 1}/{args.repeats} done (load average {os.getloadavg()[0]:.1f})")
     print()
     print(f"router CPU per request, median of {args.repeats} runs of {args.requests} requests (range):")
@@ -484,7 +488,11 @@ async def measure(args: argparse.Namespace, routers: list[RouterProcess], system
         median = statistics.median(values)
         spread = f"{min(values):,.0f}-{max(values):,.0f}"
         rate = statistics.median(rates[(name, who)])
-        print(f"| {name} | {who} | {median:,.0f} ({spread}) | {1e6 / median:,.0f} | {rate:,.0f} |")
+        left_out = dropped.get((name, who), 0)
+        runs = f", {len(values)} runs: {left_out} with errors left out" if left_out else ""
+        print(f"| {name} | {who} | {median:,.0f} ({spread}{runs}) | {1e6 / median:,.0f} | {rate:,.0f} |")
+    for name, who in dropped.keys() - cpu.keys():
+        print(f"| {name} | {who} | every run had errors | | |")
     labels = {who.split(" ")[0] for _, who in cpu}
     if {"this", "base"} <= labels:
         print()
