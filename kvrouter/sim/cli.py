@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 import zmq
 
+from kvrouter.sim.device import LiveDevice
 from kvrouter.sim.kv_transfer import KvPeers, fleet_roles
 from kvrouter.sim.profiles import PROFILES, Profile, build_engine, get_profile
 from kvrouter.sim.server import PdFaults, ReplicaSettings, build_replica_app
@@ -267,6 +268,8 @@ async def _serve(
     runners: list[web.AppRunner] = []
     plan = layouts(args.replicas, args.base_port, args.kv_base_port, args.name_prefix)
     peers = KvPeers()
+    sharing = profile.device_sharing()
+    devices: dict[int, LiveDevice] = {}
     try:
         for index, layout in enumerate(plan):
             seed = args.hash_seed + index
@@ -291,9 +294,16 @@ async def _serve(
                 strict_model=args.strict_model,
                 model_root=model_root,
             )
+            device = None
+            if sharing.shared:  # replicas of one device: one processor-sharing clock for their passes
+                number = sharing.device_of(index)
+                if number not in devices:
+                    devices[number] = LiveDevice(sharing.build(args.time_scale))
+                device = devices[number]
             app = build_replica_app(
-                settings, engine, tokenizer, publisher=publisher, peers=peers, faults=faults.get(layout.name)
-            )
+                settings, engine, tokenizer, publisher=publisher, peers=peers, faults=faults.get(layout.name),
+                device=device,
+            )  # fmt: skip
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
             runners.append(runner)

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kvrouter.sim.device import DeviceSharing
 from kvrouter.sim.engine import SchedulerConfig, VllmEngine
 from kvrouter.sim.model import EngineModel
 
@@ -118,10 +119,24 @@ class Profile:
     """"vllm" (sim/engine.py) or "dynamo-mocker" (sim/mocker.py)."""
     speed: float = 1.0
     """Divides every pass's duration: 0.5 is the same engine on hardware half as fast (a mixed fleet)."""
+    replicas_per_device: int = 1
+    """Replicas sharing one GPU (`kvrouter.sim.device`): replicas 0..N-1 on the first, N..2N-1 on the next; 1
+    gives every replica a device of its own (no contention, the timing of every profile without it)."""
+    overhead_device_share: float = 1.0
+    """With shared devices: the fraction of `step_overhead_s` that holds the GPU (the rest is the CPU's)."""
 
     def __post_init__(self) -> None:
         if self.speed <= 0:
             raise ValueError("speed must be positive")
+        self.device_sharing()  # validates the sharing knobs
+
+    def device_sharing(self) -> DeviceSharing:
+        """How this profile's replicas share GPUs, in engine seconds."""
+        return DeviceSharing(
+            replicas_per_device=self.replicas_per_device,
+            overhead_s=self.step_overhead_s / self.speed,
+            overhead_share=self.overhead_device_share,
+        )
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_attention: float) -> float:
         if prefill_tokens == 0 and decode_seqs == 0:
