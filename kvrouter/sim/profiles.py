@@ -211,6 +211,23 @@ PROFILES: dict[str, Profile] = {
         max_model_len=4096,
         kv_transfer=KvTransfer(bytes_per_token=8192),
     ),
+    "h200-llama8b": Profile(
+        name="h200-llama8b",
+        summary="vLLM 0.26, an 8B Llama shape, four replicas on one H200 (fitted, docs/calibration-h200-llama8b.md)",
+        step_overhead_s=0.0205,
+        per_token_s=2.6e-5,
+        kv_read_s_per_token=33e-9,
+        attention_s_per_pair=1.0e-9,
+        request_overhead_s=0.046,
+        kv_capacity_tokens=49_152,
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=32_768,
+        kv_transfer=KvTransfer(bytes_per_token=131_072),
+        replicas_per_device=4,
+        overhead_device_share=0.2,
+    ),
 }
 PROFILES["dynamo-mocker"] = replace(
     PROFILES["b200x4-moe-1t"],
