@@ -8,7 +8,9 @@ endpoints with bind false, block size, tokenizer directory; a wildcard host is r
 hashes blocks with its own seed, as separate vLLM processes do, so the router cannot rely on engine hashes.
 Without `--tokenizer` the project's tiny tokenizer is built (once) and used; /v1/models gives its directory as the
 model's `root`, as vLLM gives its model path. `--strict-model` refuses, as vLLM does, a request that names a model
-other than `--model-name` or an adapter (404); by default any name is served.
+other than `--model-name` or an adapter (404); by default any name is served. A profile with `replicas_per_device`
+N > 1 (`h200-llama8b`) puts replicas 0..N-1 on one simulated GPU, N..2N-1 on the next: their engine passes share
+it (`kvrouter.sim.device.LiveDevice`), so a pass takes longer while co-located replicas are busy.
 
 Disaggregated prefill/decode: `--roles prefill,prefill,decode,decode` (or `2P2D`) gives the replicas roles, written
 into replicas.yaml; the replicas of one process share one KV-transfer plane (`kvrouter.sim.kv_transfer.KvPeers`),
