@@ -382,6 +382,7 @@ def run(args: argparse.Namespace) -> int:
         sessions=conversations(trace) if any(mode != "off" for mode in modes) else None,
         session_ttl_s=settings.session_ttl_s,
         session_max=settings.session_max,
+        device=profile.device_sharing(),
     )
     floors = None if args.no_floor else floor_ttfts(trace.requests, prompts, engine_factory)
 

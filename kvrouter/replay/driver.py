@@ -32,7 +32,12 @@ plan's decode worker, and reaches that engine `kv_transfer.seconds(prompt)` late
 transferred (`EngineRequest.kv_transferred`). The request's record follows what the client sees: TTFT from its
 arrival to the decode worker's first token, ITL from the decode worker's tokens; its cached tokens are the prefill
 leg's (the work the fleet saved). The disaggregated replay runs with one router, no router queue, no warm-ups and no
-drain."""
+drain.
+
+Replicas sharing a GPU (`device`, a profile's `replicas_per_device`): engines 0..N-1 share the first device and so
+on; their passes end when the shared device (`kvrouter.sim.device.SharedDevice`, processor sharing) says so, so a
+pass beside busy co-located engines takes longer. One device event per device stands for the earliest pass end in
+flight; a pass starting or ending there replaces it (a stale one is skipped)."""
 
 from __future__ import annotations
 
@@ -60,6 +65,7 @@ from kvrouter.routing.replication import HotPrefixReplicator, PrefixHeat
 from kvrouter.routing.router import Route, Router, RoutingFacts
 from kvrouter.routing.sessions import SessionTable
 from kvrouter.routing.survival import SurvivalLookup
+from kvrouter.sim.device import DeviceSharing, SharedDevice
 from kvrouter.sim.model import CacheCleared, EngineModel, EngineRequest, KvEvent, RemovedBlocks, StepResult
 from kvrouter.sim.profiles import KvTransfer
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, ReplicaRole, SessionMode
@@ -67,7 +73,7 @@ from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, ReplicaRol
 EngineFactory = Callable[[], EngineModel]
 """Builds one simulated engine; `Replay` takes one for every engine alike, or one per engine (a mixed fleet)."""
 
-_PASS_END, _KV_EVENTS, _LOAD_SHARE, _SCRAPE, _DRAIN, _EXPIRE, _TRANSFER, _ARRIVAL, _PASS_START = range(9)
+_PASS_END, _DEVICE, _KV_EVENTS, _LOAD_SHARE, _SCRAPE, _DRAIN, _EXPIRE, _TRANSFER, _ARRIVAL, _PASS_START = range(10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +122,8 @@ class ReplayOptions:
     """The planner's mode and threshold, when `roles` has prefill workers."""
     kv_transfer: KvTransfer | None = None
     """What a decode leg's KV transfer costs (the profile's); None: nothing."""
+    device: DeviceSharing = field(default_factory=DeviceSharing)
+    """How the engines share GPUs (the profile's `device_sharing()`); the default gives each its own."""
 
 
 @dataclass(slots=True)
@@ -184,12 +192,22 @@ class _PrefillLeg:
 
 
 @dataclass(slots=True)
+class _Device:
+    """A GPU shared by engines: its passes in flight and the generation of its one pending device event."""
+
+    model: SharedDevice
+    results: dict[ReplicaName, StepResult] = field(default_factory=dict)
+    generation: int = 0
+
+
+@dataclass(slots=True)
 class _Engine:
     name: ReplicaName
     model: EngineModel
     busy: bool = False
     start_queued: bool = False
     passes: int = field(default=0)
+    device: _Device | None = None
 
 
 def replica_names(count: int) -> list[ReplicaName]:
@@ -252,6 +270,14 @@ class Replay:
         else:
             raise ValueError(f"{len(engine_factory)} engine factories for {len(names)} replicas")
         self.engines = [_Engine(name, factory()) for name, factory in zip(names, factories, strict=True)]
+        sharing = self.options.device
+        if sharing.shared:
+            devices: dict[int, _Device] = {}
+            for number, engine in enumerate(self.engines):
+                slot = sharing.device_of(number)
+                if slot not in devices:
+                    devices[slot] = _Device(sharing.build())
+                engine.device = devices[slot]
         block_size = self.engines[0].model.block_size
         if block_size != catalog.block_size:
             raise ValueError(f"the engines' block size {block_size} differs from the prompts' {catalog.block_size}")
@@ -377,6 +403,10 @@ class Replay:
             self.clock.now = time
             if kind == _PASS_END:
                 self._pass_end(cast(tuple[_Engine, StepResult], payload))
+            elif kind == _DEVICE:
+                device, generation = cast(tuple[_Device, int], payload)
+                if generation == device.generation:
+                    self._device_due(device)
             elif kind == _PASS_START:
                 self._pass_start(cast(_Engine, payload))
             elif kind == _ARRIVAL:
@@ -633,7 +663,26 @@ class Replay:
         if result.duration <= 0 and not (result.first_tokens or result.tokens or result.finished):
             return  # nothing schedulable: stay idle until the next arrival
         engine.busy = True
-        self._push(self.now + result.duration, _PASS_END, (engine, result))
+        device = engine.device
+        if device is None:
+            self._push(self.now + result.duration, _PASS_END, (engine, result))
+            return
+        device.results[engine.name] = result
+        self._device_ended(device, device.model.begin(engine.name, result.duration, self.now))
+
+    def _device_due(self, device: _Device) -> None:
+        self._device_ended(device, device.model.advance(self.now))
+
+    def _device_ended(self, device: _Device, ended: Sequence[tuple[float, object]]) -> None:
+        """Passes that ended on a shared device end now (at equal times, before anything else); the device's next
+        end replaces its pending event."""
+        for _, name in ended:
+            engine = self._by_name[cast(ReplicaName, name)]
+            self._push(self.now, _PASS_END, (engine, device.results.pop(engine.name)))
+        device.generation += 1
+        end = device.model.next_end()
+        if end is not None:
+            self._push(end, _DEVICE, (device, device.generation))
 
     def _pass_end(self, payload: tuple[_Engine, StepResult]) -> None:
         engine, result = payload

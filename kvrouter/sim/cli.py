@@ -8,7 +8,9 @@ endpoints with bind false, block size, tokenizer directory; a wildcard host is r
 hashes blocks with its own seed, as separate vLLM processes do, so the router cannot rely on engine hashes.
 Without `--tokenizer` the project's tiny tokenizer is built (once) and used; /v1/models gives its directory as the
 model's `root`, as vLLM gives its model path. `--strict-model` refuses, as vLLM does, a request that names a model
-other than `--model-name` or an adapter (404); by default any name is served.
+other than `--model-name` or an adapter (404); by default any name is served. A profile with `replicas_per_device`
+N > 1 (`h200-llama8b`) puts replicas 0..N-1 on one simulated GPU, N..2N-1 on the next: their engine passes share
+it (`kvrouter.sim.device.LiveDevice`), so a pass takes longer while co-located replicas are busy.
 
 Disaggregated prefill/decode: `--roles prefill,prefill,decode,decode` (or `2P2D`) gives the replicas roles, written
 into replicas.yaml; the replicas of one process share one KV-transfer plane (`kvrouter.sim.kv_transfer.KvPeers`),
@@ -32,6 +34,7 @@ from pathlib import Path
 import yaml
 import zmq
 
+from kvrouter.sim.device import LiveDevice
 from kvrouter.sim.kv_transfer import KvPeers, fleet_roles
 from kvrouter.sim.profiles import PROFILES, Profile, build_engine, get_profile
 from kvrouter.sim.server import PdFaults, ReplicaSettings, build_replica_app
@@ -267,6 +270,8 @@ async def _serve(
     runners: list[web.AppRunner] = []
     plan = layouts(args.replicas, args.base_port, args.kv_base_port, args.name_prefix)
     peers = KvPeers()
+    sharing = profile.device_sharing()
+    devices: dict[int, LiveDevice] = {}
     try:
         for index, layout in enumerate(plan):
             seed = args.hash_seed + index
@@ -291,9 +296,16 @@ async def _serve(
                 strict_model=args.strict_model,
                 model_root=model_root,
             )
+            device = None
+            if sharing.shared:  # replicas of one device: one processor-sharing clock for their passes
+                number = sharing.device_of(index)
+                if number not in devices:
+                    devices[number] = LiveDevice(sharing.build(args.time_scale))
+                device = devices[number]
             app = build_replica_app(
-                settings, engine, tokenizer, publisher=publisher, peers=peers, faults=faults.get(layout.name)
-            )
+                settings, engine, tokenizer, publisher=publisher, peers=peers, faults=faults.get(layout.name),
+                device=device,
+            )  # fmt: skip
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
             runners.append(runner)

@@ -5,7 +5,8 @@ The driver loops: run one engine pass, sleep until the pass would have ended (it
 publisher, latencies to the metrics. Requests arriving during a pass join the next one, as in vLLM. When the loop
 falls behind (timer slack, a busy CPU), later passes make up to `catch_up_s` of the lag by sleeping less; beyond
 that, lateness only delays. Simulated time is wall time
-multiplied by `time_scale`; metrics report simulated seconds.
+multiplied by `time_scale`; metrics report simulated seconds. With `device` (replicas sharing one GPU,
+`kvrouter.sim.device`) a pass ends when the shared device says so, not after its own duration.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvrouter.sim.device import LiveDevice
 from kvrouter.sim.metrics import ReplicaMetrics
 from kvrouter.sim.model import EngineModel, EngineRequest, StepResult
 from kvrouter.sim.publisher import KvEventPublisher
@@ -52,7 +54,9 @@ class EngineDriver:
         metrics: ReplicaMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         catch_up_s: float = 0.05,
+        device: LiveDevice | None = None,
     ) -> None:
+        """`device`: the GPU this engine shares with others of the process (None: a device of its own)."""
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
         self.engine = engine
@@ -60,6 +64,7 @@ class EngineDriver:
         self.publisher = publisher
         self.metrics = metrics
         self.catch_up_s = catch_up_s
+        self.device = device
         self._clock = clock
         self._tracked: dict[str, Tracked] = {}
         self._wake = asyncio.Event()
@@ -100,9 +105,12 @@ class EngineDriver:
             # otherwise every late wake-up would slow simulated time down for good.
             deadline = max(deadline, self._clock() - self.catch_up_s)
             result = self.engine.step(self.sim_time())
-            deadline += result.duration / self.time_scale
-            delay = deadline - self._clock()
-            await asyncio.sleep(delay if delay > 0 else 0)
+            if self.device is None:
+                deadline += result.duration / self.time_scale
+                delay = deadline - self._clock()
+                await asyncio.sleep(delay if delay > 0 else 0)
+            else:
+                deadline = await self.device.run_pass(result.duration / self.time_scale, deadline)
             try:
                 self._deliver(result)
             except Exception:  # a delivery bug must not stop the replica

@@ -58,6 +58,27 @@ CPU), max_model_len 4096. Check: an uncached 2,048-token prompt gives 140 ms in 
 client TTFT 138-142 ms); the same prompt repeated (2,016 cached) gives 8 + ~7 = 15 ms (measured 14-18 ms).
 Before that calibration existed, runs/s1_basic_bs32 of the fixtures (latency.json) suggested a similar shape.
 
+`h200-llama8b` — vLLM 0.26 serving an 8B Llama shape (32 layers, hidden 4096, 8 KV heads, BF16, dummy weights,
+`--enforce-eager`), FOUR replicas on ONE H200 (`replicas_per_device=4`: their passes share the GPU,
+`kvrouter.sim.device`), fitted by `loadtest/gpu/fit_h200_profile.py` on the 4 and 12 req/s multi-tenant records of
+docs/loadtests/h200-multi-tenant (the 8 req/s ones held out; docs/calibration-h200-llama8b.md has the method and
+where it does not agree):
+  * overhead 20.5 ms: the light rows' quietest inter-token times (p10; an eager 8B decode pass is launch-bound);
+    0.3 of it holds the GPU (`overhead_device_share`), so co-located decodes slow each other little (four decoding
+    side by side: ~1.4x; real kv_aware at 12 req/s: 28-30 ms against 22-23 ms) while a decode beside prefills
+    waits behind them (real round robin at 12 req/s: 73-82 ms).
+  * per_token 22.2 us (~45k prefill tokens/s of the whole GPU), grid-searched with the share (both by re-simulating
+    the fitted rows with their real routing): the saturated round-robin fleet's 25.8k uncached tok/s over the row's
+    span (a lower bound: the span includes the drain and the decodes) divided by 1.7. Check: one replica alone,
+    8,000 uncached tokens -> 39.5 + 20.5 + 178 + 32 (attention) ms = 0.27 s, measured 0.31 s; 4,061 tokens ->
+    0.16 s, measured 0.157 s.
+  * kv_read 33 ns per context token (131 KB of KV per token at ~4 TB/s); attention 1.0 ns per pair (4 x 4096 x 32
+    FLOP per pair at ~500 TFLOPS). Front end 39.5 ms (matched on the light rows' almost fully cached requests:
+    tokenising a ~4,000-token chat with six tool schemas, detokenising, HTTP).
+  * Capacity 49,152 tokens per replica (`--kv-cache-memory-bytes 6G`), block 16, 8,192 tokens per pass,
+    max_model_len 32,768; max_num_seqs 256 (never binding here: the KV cache holds ~12 such requests).
+  * KV transfer: 32 x 2 x 8 x 128 x 2 B = 131,072 B per token, one GPU.
+
 Any profile runs slower or faster with `speed` (`build_engine(..., speed=0.5)`, `kvrouter replay --speeds`): every
 pass's duration is divided by it, so a fleet of two GPU generations is one profile at two speeds.
 
@@ -81,6 +102,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kvrouter.sim.device import DeviceSharing
 from kvrouter.sim.engine import SchedulerConfig, VllmEngine
 from kvrouter.sim.model import EngineModel
 
@@ -118,10 +140,24 @@ class Profile:
     """"vllm" (sim/engine.py) or "dynamo-mocker" (sim/mocker.py)."""
     speed: float = 1.0
     """Divides every pass's duration: 0.5 is the same engine on hardware half as fast (a mixed fleet)."""
+    replicas_per_device: int = 1
+    """Replicas sharing one GPU (`kvrouter.sim.device`): replicas 0..N-1 on the first, N..2N-1 on the next; 1
+    gives every replica a device of its own (no contention, the timing of every profile without it)."""
+    overhead_device_share: float = 1.0
+    """With shared devices: the fraction of `step_overhead_s` that holds the GPU (the rest is the CPU's)."""
 
     def __post_init__(self) -> None:
         if self.speed <= 0:
             raise ValueError("speed must be positive")
+        self.device_sharing()  # validates the sharing knobs
+
+    def device_sharing(self) -> DeviceSharing:
+        """How this profile's replicas share GPUs, in engine seconds."""
+        return DeviceSharing(
+            replicas_per_device=self.replicas_per_device,
+            overhead_s=self.step_overhead_s / self.speed,
+            overhead_share=self.overhead_device_share,
+        )
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_attention: float) -> float:
         if prefill_tokens == 0 and decode_seqs == 0:
@@ -195,6 +231,23 @@ PROFILES: dict[str, Profile] = {
         max_num_batched_tokens=2048,
         max_model_len=4096,
         kv_transfer=KvTransfer(bytes_per_token=8192),
+    ),
+    "h200-llama8b": Profile(
+        name="h200-llama8b",
+        summary="vLLM 0.26, an 8B Llama shape, four replicas on one H200 (fitted, docs/calibration-h200-llama8b.md)",
+        step_overhead_s=0.0205,
+        per_token_s=2.22e-5,
+        kv_read_s_per_token=33e-9,
+        attention_s_per_pair=1.0e-9,
+        request_overhead_s=0.0395,
+        kv_capacity_tokens=49_152,
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=32_768,
+        kv_transfer=KvTransfer(bytes_per_token=131_072),
+        replicas_per_device=4,
+        overhead_device_share=0.3,
     ),
 }
 PROFILES["dynamo-mocker"] = replace(

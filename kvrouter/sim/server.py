@@ -40,6 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvrouter.sim.device import LiveDevice
 from kvrouter.sim.driver import DONE, EngineDriver, Tracked
 from kvrouter.sim.hashing import prompt_hashes
 from kvrouter.sim.kv_transfer import (
@@ -148,11 +149,14 @@ def build_replica_app(
     clock: Callable[[], float] = time.monotonic,
     peers: KvPeers | None = None,
     faults: PdFaults | None = None,
+    device: LiveDevice | None = None,
 ) -> web.Application:
     """`peers`: the transfer plane shared by the replicas of one process (this replica registers in it; default a
-    plane of its own)."""
+    plane of its own). `device`: the GPU it shares with other replicas of the process (default one of its own)."""
     metrics = ReplicaMetrics(settings.model_name, engine.gauges)
-    driver = EngineDriver(engine, time_scale=settings.time_scale, publisher=publisher, metrics=metrics, clock=clock)
+    driver = EngineDriver(
+        engine, time_scale=settings.time_scale, publisher=publisher, metrics=metrics, clock=clock, device=device
+    )
     peers = peers if peers is not None else KvPeers()
     faults = faults if faults is not None else PdFaults()
     peers.register(settings.kv_engine_id, settings.role, lambda: not faults.dead)

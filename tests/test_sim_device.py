@@ -1,0 +1,157 @@
+"""Replicas sharing one GPU (kvrouter.sim.device): processor sharing in the pure core, the live driver and the
+replay; the h200-llama8b profile serving; the fit script on a slice of the real records."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvrouter.config import Settings, load_fleet
+from kvrouter.replay.cli import replay_policy_object
+from kvrouter.replay.driver import ReplayOptions, VirtualClock, replay_policy
+from kvrouter.replay.prompts import PromptCatalog
+from kvrouter.replay.trace import load_trace
+from kvrouter.sim.cli import free_port_run
+from kvrouter.sim.device import DeviceSharing, LiveDevice, SharedDevice
+from kvrouter.sim.profiles import PROFILES, build_engine, get_profile
+from tests.shared_data import MOONCAKE_CONVERSATION, shared
+
+ROOT = Path(__file__).resolve().parents[1]
+H200 = ROOT / "docs" / "loadtests" / "h200-multi-tenant"
+TOKENIZER = Path("/work/shared/fixtures/vllm-kv-events/model")
+
+
+def test_a_pass_alone_takes_its_duration() -> None:
+    device = SharedDevice(overhead_s=0.02, overhead_share=0.2)
+    assert device.begin("a", 0.3, 1.0) == []
+    assert device.next_end() == pytest.approx(1.3)
+    assert device.advance(2.0) == [(pytest.approx(1.3), "a")]
+    assert device.next_end() is None
+
+
+def test_co_located_prefills_share_the_gpu() -> None:
+    device = SharedDevice(overhead_s=0.0)
+    device.begin("a", 0.3, 0.0)
+    device.begin("b", 0.3, 0.0)
+    assert device.advance(10.0) == [(pytest.approx(0.6), "a"), (pytest.approx(0.6), "b")]
+    # A pass that joins halfway: the first has 0.1 s left alone, now at half speed (0.2 s); the second's 0.3 s
+    # then runs 0.1 alone-seconds shared and the rest alone.
+    device.begin("a", 0.2, 10.0)
+    device.begin("b", 0.3, 10.1)
+    ended = device.advance(20.0)
+    assert ended == [(pytest.approx(10.3), "a"), (pytest.approx(10.5), "b")]
+
+
+def test_launch_bound_decodes_barely_interfere_but_wait_behind_a_prefill() -> None:
+    decode, prefill = 0.022, 0.3
+    device = SharedDevice(overhead_s=0.0205, overhead_share=0.2)
+    for name in "abc":
+        device.begin(name, decode, 0.0)
+    assert device.advance(1.0)[-1][0] == pytest.approx(decode)  # three decodes' demands fit in one GPU
+    device.begin("decode", decode, 2.0)
+    for name in ("p1", "p2", "p3"):
+        device.begin(name, prefill, 2.0)
+    ended = {key: end for end, key in device.advance(5.0)}
+    assert ended["decode"] - 2.0 > 2.5 * decode  # beside three prefills: ~3x
+    assert ended["p1"] - 2.0 > 2.5 * prefill
+
+
+def test_existing_profiles_keep_a_device_each() -> None:
+    for name, profile in PROFILES.items():
+        if name != "h200-llama8b":
+            assert not profile.device_sharing().shared, name
+    h200 = get_profile("h200-llama8b").device_sharing()
+    assert h200.shared and h200.device_of(3) == 0 and h200.device_of(4) == 1
+    with pytest.raises(ValueError):
+        DeviceSharing(replicas_per_device=0)
+
+
+async def test_live_device_runs_co_located_passes_side_by_side() -> None:
+    device = LiveDevice(SharedDevice(overhead_s=0.0))
+    began = time.monotonic()
+    ends = await asyncio.gather(device.run_pass(0.1, began), device.run_pass(0.1, began))
+    assert ends[0] == pytest.approx(began + 0.2, abs=0.02) and ends[1] == pytest.approx(ends[0])
+    assert time.monotonic() - began >= 0.19
+
+
+def _replay(sharing: DeviceSharing, profile_name: str = "h200-llama8b") -> list[float]:
+    trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=4.0, limit=120)
+    profile = dataclasses.replace(get_profile(profile_name), replicas_per_device=1)
+    catalog = PromptCatalog(trace_block_tokens=trace.block_tokens, block_size=profile.block_size)
+    prompts = [catalog.prepare(request) for request in trace.requests]
+    clock = VirtualClock()
+    result = replay_policy(
+        requests=trace.requests,
+        prompts=prompts,
+        catalog=catalog,
+        policy=replay_policy_object("round_robin", Settings(), clock),
+        engine_factory=lambda: build_engine(profile, num_gpu_blocks=20_000),
+        options=ReplayOptions(replicas=4, device=sharing),
+        clock=clock,
+    )
+    ttfts = [record.ttft for record in result.records]
+    assert all(ttft is not None for ttft in ttfts)
+    return [ttft for ttft in ttfts if ttft is not None]
+
+
+def test_replay_with_one_replica_per_device_is_the_old_timing_and_sharing_slows_it() -> None:
+    profile = get_profile("h200-llama8b")
+    own = _replay(DeviceSharing())
+    one_each = _replay(dataclasses.replace(profile.device_sharing(), replicas_per_device=1))
+    assert one_each == own  # a device per replica: exactly the timing without devices
+    shared_gpu = _replay(profile.device_sharing())
+    assert sum(shared_gpu) > 1.2 * sum(own)
+    assert all(s >= o - 1e-9 for s, o in zip(sorted(shared_gpu), sorted(own), strict=True))
+
+
+async def test_kvrouter_sim_serves_the_h200_profile(tmp_path: Path) -> None:
+    fleet_file = tmp_path / "replicas.yaml"
+    command = [
+        sys.executable, "-m", "kvrouter.cli", "sim", "--replicas", "4", "--profile", "h200-llama8b",
+        "--base-port", str(free_port_run(4)), "--kv-base-port", str(free_port_run(8)),
+        "--write-replicas", str(fleet_file), "--time-scale", "10",
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not fleet_file.exists():
+            assert process.returncode is None, "kvrouter sim exited early"
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        fleet = load_fleet(fleet_file)
+        assert fleet.block_size == 16 and len(fleet.replicas) == 4
+        async with aiohttp.ClientSession() as session:
+            posts = [
+                session.post(f"{r.base_url}/v1/completions", json={"prompt": "hi " * 500, "max_tokens": 3})
+                for r in fleet.replicas
+            ]
+            for response in await asyncio.gather(*posts):
+                async with response:
+                    assert (await response.json())["usage"]["completion_tokens"] == 3
+    finally:
+        process.terminate()
+        await asyncio.wait_for(process.wait(), 10)
+
+
+@pytest.mark.skipif(not TOKENIZER.is_dir(), reason="the real model's tokenizer fixture is not here")
+def test_the_fit_script_runs_on_a_slice_of_the_records(tmp_path: Path) -> None:
+    out = tmp_path / "fit.json"
+    command = [
+        sys.executable, str(ROOT / "loadtest" / "gpu" / "fit_h200_profile.py"), "fit", str(H200 / "mt-r4-s0"),
+        "--limit", "40", "--shares", "0.2", "--speedups", "1.45", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "stage 3" in done.stdout
+    figures = json.loads(out.read_text())
+    assert 0 < figures["per_token_s"] < 1e-4 and figures["overhead_device_share"] == 0.2
