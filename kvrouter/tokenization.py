@@ -379,7 +379,7 @@ class HfPromptTokenizer:
         if request.endpoint == "chat":
             prompts = [self._chat_ids(request, bool(add_special))]
         else:
-            prompts = list(self._completion_ids(request, True if add_special is None else add_special))
+            prompts = self._completion_ids(request, True if add_special is None else add_special)
         truncate = body.get("truncate_prompt_tokens")
         if isinstance(truncate, int) and not isinstance(truncate, bool) and truncate > 0:
             prompts = [ids[-truncate:] for ids in prompts]
@@ -387,7 +387,7 @@ class HfPromptTokenizer:
             raise _too_large("tokens", self.limits.max_tokens)
         return prompts
 
-    def _completion_ids(self, request: ParsedRequest, add_special: bool) -> list[list[int]]:
+    def _completion_ids(self, request: ParsedRequest, add_special: bool) -> list[Sequence[int]]:
         prompt = request.prompt
         if prompt is None:
             raise RequestError("'prompt' is required", param="prompt")

@@ -23,7 +23,7 @@ from kvrouter.openai_request import ParsedRequest, parse_request
 from kvrouter.tinymodel import ensure_tokenizer
 from kvrouter.tokenization import HfPromptTokenizer, PromptLimits
 
-CAPTURED = Path("/work/shared/fixtures/vllm-kv-events/model")
+CAPTURED = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-kv-events" / "model"
 
 
 def chat(text: str) -> ParsedRequest:

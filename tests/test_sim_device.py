@@ -15,18 +15,17 @@ import aiohttp
 import pytest
 
 from kvrouter.config import Settings, load_fleet
+from kvrouter.loadgen.fleet import start_sim
 from kvrouter.replay.cli import replay_policy_object
 from kvrouter.replay.driver import ReplayOptions, VirtualClock, replay_policy
 from kvrouter.replay.prompts import PromptCatalog
 from kvrouter.replay.trace import load_trace
-from kvrouter.sim.cli import free_port_run
 from kvrouter.sim.device import DeviceSharing, LiveDevice, SharedDevice
 from kvrouter.sim.profiles import PROFILES, build_engine, get_profile
-from tests.shared_data import MOONCAKE_CONVERSATION, shared
+from tests.shared_data import MOONCAKE_CONVERSATION, VLLM_CAPTURES, shared
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = ROOT / "docs" / "loadtests" / "h200-multi-tenant"
-TOKENIZER = Path("/work/shared/fixtures/vllm-kv-events/model")
 
 
 def test_a_pass_alone_takes_its_duration() -> None:
@@ -113,22 +112,12 @@ def test_replay_with_one_replica_per_device_is_the_old_timing_and_sharing_slows_
 
 
 async def test_kvrouter_sim_serves_the_h200_profile(tmp_path: Path) -> None:
-    fleet_file = tmp_path / "replicas.yaml"
-    command = [
-        sys.executable, "-m", "kvrouter.cli", "sim", "--replicas", "4", "--profile", "h200-llama8b",
-        "--base-port", str(free_port_run(4)), "--kv-base-port", str(free_port_run(8)),
-        "--write-replicas", str(fleet_file), "--time-scale", "10",
-    ]  # fmt: skip
-    process = await asyncio.create_subprocess_exec(
-        *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
-    )
+    sim = start_sim(
+        replicas=4, profile="h200-llama8b", replicas_file=tmp_path / "replicas.yaml", log=tmp_path / "sim.log",
+        time_scale=10,
+    )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while not fleet_file.exists():
-            assert process.returncode is None, "kvrouter sim exited early"
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.2)
-        fleet = load_fleet(fleet_file)
+        fleet = load_fleet(sim.replicas_file)
         assert fleet.block_size == 16 and len(fleet.replicas) == 4
         async with aiohttp.ClientSession() as session:
             posts = [
@@ -139,16 +128,15 @@ async def test_kvrouter_sim_serves_the_h200_profile(tmp_path: Path) -> None:
                 async with response:
                     assert (await response.json())["usage"]["completion_tokens"] == 3
     finally:
-        process.terminate()
-        await asyncio.wait_for(process.wait(), 10)
+        sim.child.stop()
 
 
-@pytest.mark.skipif(not TOKENIZER.is_dir(), reason="the real model's tokenizer fixture is not here")
 def test_the_fit_script_runs_on_a_slice_of_the_records(tmp_path: Path) -> None:
+    tokenizer = shared(VLLM_CAPTURES / "model")
     out = tmp_path / "fit.json"
     command = [
         sys.executable, str(ROOT / "loadtest" / "gpu" / "fit_h200_profile.py"), "fit", str(H200 / "mt-r4-s0"),
-        "--limit", "40", "--shares", "0.2", "--speedups", "1.45", "--json", str(out),
+        "--limit", "40", "--shares", "0.2", "--speedups", "1.45", "--json", str(out), "--tokenizer", str(tokenizer),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr

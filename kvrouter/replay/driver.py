@@ -272,12 +272,9 @@ class Replay:
         self.engines = [_Engine(name, factory()) for name, factory in zip(names, factories, strict=True)]
         sharing = self.options.device
         if sharing.shared:
-            devices: dict[int, _Device] = {}
+            devices = [_Device(model) for model in sharing.build_all(len(self.engines))]
             for number, engine in enumerate(self.engines):
-                slot = sharing.device_of(number)
-                if slot not in devices:
-                    devices[slot] = _Device(sharing.build())
-                engine.device = devices[slot]
+                engine.device = devices[sharing.device_of(number)]
         block_size = self.engines[0].model.block_size
         if block_size != catalog.block_size:
             raise ValueError(f"the engines' block size {block_size} differs from the prompts' {catalog.block_size}")

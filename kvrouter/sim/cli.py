@@ -271,7 +271,8 @@ async def _serve(
     plan = layouts(args.replicas, args.base_port, args.kv_base_port, args.name_prefix)
     peers = KvPeers()
     sharing = profile.device_sharing()
-    devices: dict[int, LiveDevice] = {}
+    # Replicas of one device: one processor-sharing clock for their passes.
+    devices = [LiveDevice(model) for model in sharing.build_all(len(plan), args.time_scale)] if sharing.shared else []
     try:
         for index, layout in enumerate(plan):
             seed = args.hash_seed + index
@@ -296,12 +297,7 @@ async def _serve(
                 strict_model=args.strict_model,
                 model_root=model_root,
             )
-            device = None
-            if sharing.shared:  # replicas of one device: one processor-sharing clock for their passes
-                number = sharing.device_of(index)
-                if number not in devices:
-                    devices[number] = LiveDevice(sharing.build(args.time_scale))
-                device = devices[number]
+            device = devices[sharing.device_of(index)] if devices else None
             app = build_replica_app(
                 settings, engine, tokenizer, publisher=publisher, peers=peers, faults=faults.get(layout.name),
                 device=device,

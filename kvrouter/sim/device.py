@@ -56,6 +56,10 @@ class DeviceSharing:
         """A device in wall seconds when `time_scale` engine seconds pass per wall second."""
         return SharedDevice(overhead_s=self.overhead_s / time_scale, overhead_share=self.overhead_share)
 
+    def build_all(self, replicas: int, time_scale: float = 1.0) -> list[SharedDevice]:
+        """One device per group of `replicas_per_device` replicas; replica i's is `[device_of(i)]`."""
+        return [self.build(time_scale) for _ in range(-(-replicas // self.replicas_per_device))]
+
 
 @dataclass(slots=True)
 class _Pass:

@@ -8,8 +8,8 @@ usage:
 Each DIR is a `docs/loadtests/h200-multi-tenant/mt-r<rate>-s<seed>` folder (records-<policy>.jsonl.gz). The
 workload is rebuilt from the folder's name (`kvrouter bench --workload multi-tenant --tenants 40 --system-tokens
 4000 --output-tokens 64 --duration 30 --rate R --seed S`) and tokenized with the real model's tokenizer
-(`--tokenizer`, default /work/shared/fixtures/vllm-kv-events/model); every record is matched to its planned
-request (session + order of due time) and its prompt token count checked against the schedule's.
+(`--tokenizer`, default ../shared/fixtures/vllm-kv-events/model beside the checkout); every record is matched to
+its planned request (session + order of due time) and its prompt token count checked against the schedule's.
 
 `fit`: (1) the prefill cost per token from the GPU's own rate, the uncached tokens per second the saturated
 round-robin rows pushed through the whole fleet, and TTFT = intercept + slope x uncached by least squares over
@@ -53,7 +53,7 @@ from kvrouter.sim.hashing import hash_block, root_hash
 from kvrouter.sim.model import EngineRequest
 from kvrouter.sim.profiles import Profile, get_profile
 
-TOKENIZER = Path("/work/shared/fixtures/vllm-kv-events/model")
+TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-kv-events" / "model"
 ROW = re.compile(r"mt-r(?P<rate>[0-9.]+)-s(?P<seed>[0-9]+)$")
 LIGHT_RATE = 4.0
 
@@ -122,7 +122,7 @@ def resimulate(requests: list[Request], profile: Profile, replicas: int = 4) -> 
     """Every request on its recorded replica, engines sharing devices as the profile says; sets `sim_ttft`."""
     engines = [VllmEngine(profile.scheduler_config(), profile, hash_seed=n) for n in range(replicas)]
     sharing = profile.device_sharing()
-    devices = [sharing.build() for _ in range(-(-replicas // sharing.replicas_per_device))]
+    devices = sharing.build_all(replicas)
     root = root_hash(0)
     heap: list[tuple[float, int, int, Any]] = []
     sequence = 0
