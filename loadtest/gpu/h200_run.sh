@@ -41,7 +41,7 @@ go)
     for dir in /tmp/results/*/; do
         [ -f "$dir/report.md" ] && { echo "== $(basename "$dir")"; sed -n '/^| row/,/^$/p' "$dir/report.md"; }
     done
-    tar -czf "$OUT/results-$(date +%s).tgz" -C /tmp results --exclude='*.png'
+    tar -czf "$OUT/results-$(date +%s).tgz" --exclude='*.png' -C /tmp results
     ls -la "$OUT" ;;
 *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac
