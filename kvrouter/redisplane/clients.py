@@ -110,9 +110,10 @@ def redis_from_url(
             )
         db = int(path[1]) if len(path) > 1 else 0
         tls = _tls_options(scheme, parts.query)
-        auth = {"username": username, "password": password}
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            sentinels, sentinel_kwargs={**auth, **tls, "socket_timeout": connect_timeout_s}, **auth, **tls
+        # Any-typed: redis-py 8.2 types Sentinel's parameters (an unpacked dict of str would meet its int ones).
+        connection: dict[str, Any] = {"username": username, "password": password, **tls}
+        sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
+            sentinels, sentinel_kwargs={**connection, "socket_timeout": connect_timeout_s}, **connection
         )
         return cast(Redis, sentinel.master_for(path[0], db=db, retry=Retry(NoBackoff(), 0), **options))
     if scheme in CLUSTER_SCHEMES:

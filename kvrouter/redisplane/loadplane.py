@@ -138,7 +138,7 @@ class RedisLoadPlane:
         finally:
             self.stats.connected = False
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
             with contextlib.suppress(Exception):
                 await client.aclose()
 
