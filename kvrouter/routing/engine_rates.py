@@ -1,0 +1,199 @@
+"""Each replica's prefill rate as its engine's own /metrics histograms show it: a lower bound for kv_aware's costs.
+
+vLLM observes, per request when its first token is out, `vllm:request_prefill_time_seconds` (scheduled to first
+token: the passes that computed its prompt) and `vllm:request_prefill_kv_computed_tokens` (the prompt tokens it
+computed, cache hits excluded). Their `_sum`s and `_count`s are cumulative since the engine started, so the router
+reads the engine's whole history at its first scrape and each later scrape adds an interval (the deltas).
+
+What the ratio means. Σ computed tokens / Σ prefill seconds is the rate one request's prompt advanced at. Where
+the engine ran one prefill at a time it is the engine's prefill throughput (the decode work sharing those passes
+included, which kv_aware prices on top, so still a little low). Where a pass batches several prefills (several
+requests scheduled in one pass, or a long prompt's chunks beside another's), their prefill seconds overlap and
+the ratio divides the rate by how many were in prefill at once: it understates the rate under load, never
+overstates it (no request's tokens can advance faster than the engine's). A second bound covers the loaded case:
+Σ computed tokens / Σ wall seconds over the intervals seen, the rate the engine sustained while the router
+watched, which is tight when the engine prefilled without pause and low when it idled; it is used only once the
+intervals span `min_span_s`, so that a long prompt straddling the window's edge (its tokens counted in the
+interval where it finished) moves it by at most its own tokens over that span. The estimate is the larger of
+the two bounds, over the engine's history (until it slides out) and the last `window` intervals: a lower bound,
+tight at light load (one prefill at a time) and at saturation, below the rate in between. So it is never taken
+as the replica's rate where the router has its own fit of the replica's TTFTs; `CostCalibrator` uses it to
+replace the configured starting guess and to raise a borrowed estimate that lies below it
+(`kvrouter.routing.calibration`).
+
+The engine's pass duration is not exported (no histogram of pass time), so the fixed pass cost and the decode
+cost per request are not derived here; `vllm:iteration_tokens_total` counts passes and their tokens, not time.
+
+Bad input, each a named `Fallback` the caller counts and logs once per replica: `missing` (the exposition lacks
+the two histograms: older vLLM, another engine), `invalid` (a value that is not a finite non-negative number, a
+count that is not whole; the scrape is skipped), `reset` (a total went down: the engine restarted, perhaps on
+other hardware; the history and window restart from the new totals). A replica with a fallback keeps the
+router-only view: `rate` is None until the engine shows enough again. Pure and synchronous; the caller passes
+the clock reading of each scrape.
+
+Knobs (`EngineRateConfig`): `window` [120 intervals: two minutes of scrapes at the default 1 s], `min_requests`
+[4: prefills behind a figure], `min_span_s` [60].
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvrouter.typedefs import ReplicaName
+
+PREFILL_SECONDS = "vllm:request_prefill_time_seconds"
+COMPUTED_TOKENS = "vllm:request_prefill_kv_computed_tokens"
+MAX_RATE = 1e8
+"""Tokens/s beyond any accelerator: a figure above it is garbage."""
+
+
+class Fallback(enum.Enum):
+    MISSING = "missing"
+    INVALID = "invalid"
+    RESET = "reset"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTotals:
+    """Cumulative prefill totals from one scrape, summed over the exposition's engine series."""
+
+    prefill_s: float
+    prefill_requests: float
+    computed_tokens: float
+
+
+def parse_engine_totals(text: str) -> EngineTotals | Fallback:
+    """The three totals from vLLM's Prometheus text, or why not (a line scan, like the gauges' parser)."""
+    wanted = {
+        f"{PREFILL_SECONDS}_sum": 0,
+        f"{PREFILL_SECONDS}_count": 1,
+        f"{COMPUTED_TOKENS}_sum": 2,
+    }
+    totals = [0.0, 0.0, 0.0]
+    seen = [False, False, False]
+    for line in text.splitlines():
+        if not line.startswith("vllm:request_prefill_"):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0:
+            continue
+        slot = wanted.get(line[:name_end])
+        if slot is None:
+            continue
+        rest = line[line.rfind("}") + 1 :] if line[name_end] == "{" else line[name_end:]
+        try:
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            return Fallback.INVALID
+        if not math.isfinite(value) or value < 0:
+            return Fallback.INVALID
+        totals[slot] += value
+        seen[slot] = True
+    if not all(seen):
+        return Fallback.MISSING
+    if totals[1] != int(totals[1]):
+        return Fallback.INVALID
+    return EngineTotals(*totals)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRateConfig:
+    window: int = 120
+    min_requests: int = 4
+    min_span_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.min_requests < 1 or self.min_span_s <= 0:
+            raise ValueError("window and min_requests must be >= 1 and min_span_s positive")
+
+
+@dataclass(frozen=True, slots=True)
+class _Interval:
+    tokens: float
+    prefill_s: float
+    requests: float
+    wall_s: float | None
+    """None for the engine's history before the first scrape (its length is unknown)."""
+
+
+@dataclass(slots=True)
+class _Engine:
+    last: EngineTotals | None = None
+    last_at: float = 0.0
+    intervals: deque[_Interval] = field(default_factory=deque)
+    rate: float | None = None
+
+
+@dataclass(slots=True)
+class EngineRates:
+    """Per replica, the prefill rate its engine's histograms prove it at least has (see the module docstring)."""
+
+    config: EngineRateConfig = field(default_factory=EngineRateConfig)
+    _engines: dict[ReplicaName, _Engine] = field(default_factory=dict)
+
+    def observe(self, replica: ReplicaName, scraped: EngineTotals | Fallback, now: float) -> Fallback | None:
+        """One scrape's totals (or the parser's fallback); returns the fallback this scrape caused, if any."""
+        engine = self._engines.get(replica)
+        if engine is None:
+            engine = self._engines[replica] = _Engine(intervals=deque(maxlen=self.config.window + 1))
+        if isinstance(scraped, Fallback):
+            if scraped is Fallback.MISSING:
+                # Not this engine's metrics (any more): the router's own view alone.
+                engine.last, engine.rate = None, None
+                engine.intervals.clear()
+            return scraped
+        last = engine.last
+        fallback = None
+        if last is not None and (
+            scraped.prefill_s < last.prefill_s
+            or scraped.prefill_requests < last.prefill_requests
+            or scraped.computed_tokens < last.computed_tokens
+        ):
+            fallback, last = Fallback.RESET, None
+            engine.intervals.clear()
+        if last is None:
+            # The engine's history since it started, of unknown length (no wall time).
+            engine.intervals.append(
+                _Interval(scraped.computed_tokens, scraped.prefill_s, scraped.prefill_requests, None)
+            )
+        else:
+            engine.intervals.append(
+                _Interval(
+                    scraped.computed_tokens - last.computed_tokens,
+                    scraped.prefill_s - last.prefill_s,
+                    scraped.prefill_requests - last.prefill_requests,
+                    max(0.0, now - engine.last_at),
+                )
+            )
+        engine.last, engine.last_at = scraped, now
+        engine.rate = self._estimate(engine.intervals)
+        return fallback
+
+    def _estimate(self, intervals: deque[_Interval]) -> float | None:
+        tokens = sum(i.tokens for i in intervals)
+        prefill_s = sum(i.prefill_s for i in intervals)
+        requests = sum(i.requests for i in intervals)
+        if requests < self.config.min_requests or tokens <= 0 or prefill_s <= 0:
+            return None
+        by_prefill_time = tokens / prefill_s
+        walled = [i for i in intervals if i.wall_s is not None]
+        span_s = sum(i.wall_s or 0.0 for i in walled)
+        by_wall = sum(i.tokens for i in walled) / span_s if span_s >= self.config.min_span_s else 0.0
+        rate = max(by_prefill_time, by_wall)
+        return rate if rate <= MAX_RATE else None
+
+    def rate(self, replica: ReplicaName) -> float | None:
+        engine = self._engines.get(replica)
+        return None if engine is None else engine.rate
+
+    def rates(self) -> dict[ReplicaName, float]:
+        return {name: engine.rate for name, engine in self._engines.items() if engine.rate is not None}
+
+    def forget(self, replica: ReplicaName) -> None:
+        self._engines.pop(replica, None)
+
+
+__all__ = ["EngineRateConfig", "EngineRates", "EngineTotals", "Fallback", "parse_engine_totals"]

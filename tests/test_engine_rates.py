@@ -1,0 +1,358 @@
+"""kv_aware's engine source: a replica's prefill rate lower bound from its vLLM /metrics histograms.
+
+Pure tests of the parser (on a captured vLLM 0.32 exposition), the per-replica estimator and how the calibrator
+weighs it; then over real sockets a fake engine serving that captured text with its prefill totals advancing
+(the router picks the rate up, /debug/route and /metrics show it), and the fallbacks: histograms missing, garbage,
+an engine restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
+
+from kvrouter.config import parse_fleet
+from kvrouter.policies.kv_aware import KvAwareConfig, KvAwarePolicy
+from kvrouter.routing.calibration import CostCalibrator, Observation, ReplicaCosts
+from kvrouter.routing.engine_rates import (
+    EngineRateConfig,
+    EngineRates,
+    EngineTotals,
+    Fallback,
+    parse_engine_totals,
+)
+from kvrouter.server.app import create_app
+from kvrouter.typedefs import ReplicaName
+from tests.conftest import eventually, router_settings
+from tests.shared_data import VLLM_CAPTURES, shared
+
+R0, R1 = ReplicaName("r0"), ReplicaName("r1")
+START = ReplicaCosts(10_000.0, 0.01, 0.0005)
+
+
+@pytest.fixture(scope="module")
+def captured() -> str:
+    """/metrics of a vLLM 0.32 CPU engine after 9 requests (prefill 0.501 s, 1,504 computed tokens)."""
+    return shared(VLLM_CAPTURES / "runs" / "s1_basic_bs32" / "metrics_after.txt").read_text()
+
+
+def advanced(text: str, prefill_s: float, requests: float, tokens: float) -> str:
+    """The captured exposition with its three prefill totals replaced (every other line as vLLM wrote it)."""
+    values = {
+        "vllm:request_prefill_time_seconds_sum": prefill_s,
+        "vllm:request_prefill_time_seconds_count": requests,
+        "vllm:request_prefill_kv_computed_tokens_sum": tokens,
+    }
+    lines = []
+    for line in text.splitlines():
+        name = re.split(r"[{ ]", line, maxsplit=1)[0]
+        if name in values:
+            line = f"{line.rsplit(' ', 1)[0]} {values[name]!r}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+# --- the parser ---------------------------------------------------------------------------------------------
+
+
+def test_parses_the_captured_vllm_exposition(captured: str) -> None:
+    totals = parse_engine_totals(captured)
+    assert isinstance(totals, EngineTotals)
+    assert totals.prefill_requests == 9
+    assert totals.computed_tokens == 1504
+    assert totals.prefill_s == pytest.approx(0.5012284339999269)
+
+
+def test_sums_the_series_of_a_data_parallel_replica(captured: str) -> None:
+    second = "\n".join(
+        line.replace('engine="0"', 'engine="1"') for line in captured.splitlines() if "request_prefill_" in line
+    )
+    totals = parse_engine_totals(captured + second + "\n")
+    assert isinstance(totals, EngineTotals)
+    assert (totals.prefill_requests, totals.computed_tokens) == (18, 3008)
+
+
+def test_an_engine_without_the_histograms_is_missing(captured: str) -> None:
+    older = "\n".join(line for line in captured.splitlines() if "request_prefill_kv_computed" not in line)
+    assert parse_engine_totals(older) is Fallback.MISSING
+    assert parse_engine_totals("") is Fallback.MISSING
+    assert parse_engine_totals("sglang:prompt_tokens_total 5\n") is Fallback.MISSING
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-3.0", "lots", "2.5e400"])
+def test_garbage_values_are_invalid(captured: str, value: str) -> None:
+    text = advanced(captured, 0.5, 9, 1504).replace(
+        'vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="tiny"} 1504',
+        f'vllm:request_prefill_kv_computed_tokens_sum{{engine="0",model_name="tiny"}} {value}',
+    )
+    assert parse_engine_totals(text) is Fallback.INVALID
+
+
+def test_a_fractional_request_count_is_invalid(captured: str) -> None:
+    assert parse_engine_totals(advanced(captured, 0.5, 9.5, 1504)) is Fallback.INVALID
+
+
+# --- the estimator ------------------------------------------------------------------------------------------
+
+
+def totals(prefill_s: float, requests: float, tokens: float) -> EngineTotals:
+    return EngineTotals(prefill_s, requests, tokens)
+
+
+def test_the_engine_history_gives_a_rate_at_the_first_scrape() -> None:
+    rates = EngineRates()
+    assert rates.observe(R0, totals(10.0, 100, 300_000), now=0.0) is None
+    assert rates.rate(R0) == pytest.approx(30_000)
+
+
+def test_too_few_prefills_give_no_rate() -> None:
+    rates = EngineRates(EngineRateConfig(min_requests=4))
+    rates.observe(R0, totals(0.1, 3, 3000), now=0.0)
+    assert rates.rate(R0) is None
+    rates.observe(R0, totals(0.2, 4, 6000), now=1.0)
+    assert rates.rate(R0) == pytest.approx(30_000)
+
+
+def test_intervals_follow_the_engine_and_the_history_slides_out() -> None:
+    rates = EngineRates(EngineRateConfig(window=5, min_span_s=1e9))
+    rates.observe(R0, totals(100.0, 1000, 1_000_000), now=0.0)  # 10k tokens/s in its past
+    assert rates.rate(R0) == pytest.approx(10_000)
+    state = totals(100.0, 1000, 1_000_000)
+    for step in range(1, 7):
+        state = totals(state.prefill_s + 1.0, state.prefill_requests + 5, state.computed_tokens + 40_000)
+        rates.observe(R0, state, now=float(step))
+    assert rates.rate(R0) == pytest.approx(40_000)  # the last 5 intervals only
+
+
+def test_overlapping_prefills_understate_and_the_wall_bound_covers_saturation() -> None:
+    """Four prefills at a time: their prefill seconds add up to 4x the wall time, so the first bound is a quarter
+    of the rate; over a long enough span the tokens per wall second give the rate back."""
+    rates = EngineRates(EngineRateConfig(min_span_s=30.0))
+    rates.observe(R0, totals(0.0, 0, 0), now=0.0)
+    for step in range(1, 61):
+        # 48k tokens/s of prefill, four requests in prefill at any time.
+        rates.observe(R0, totals(4.0 * step, 12 * step, 48_000 * step), now=float(step))
+        rate = rates.rate(R0)
+        assert rate is not None and rate <= 48_000 * 1.0001  # a lower bound, never above the rate
+        if step < 30:
+            assert rate == pytest.approx(12_000)
+    assert rates.rate(R0) == pytest.approx(48_000)
+
+
+def test_a_counter_that_goes_down_is_a_restart() -> None:
+    rates = EngineRates()
+    rates.observe(R0, totals(10.0, 100, 300_000), now=0.0)
+    assert rates.observe(R0, totals(0.5, 10, 40_000), now=1.0) is Fallback.RESET
+    assert rates.rate(R0) == pytest.approx(80_000)  # the new engine's own history
+
+
+def test_missing_histograms_drop_the_rate_and_invalid_scrapes_keep_it() -> None:
+    rates = EngineRates()
+    rates.observe(R0, totals(10.0, 100, 300_000), now=0.0)
+    assert rates.observe(R0, Fallback.INVALID, now=1.0) is Fallback.INVALID
+    assert rates.rate(R0) == pytest.approx(30_000)
+    assert rates.observe(R0, Fallback.MISSING, now=2.0) is Fallback.MISSING
+    assert rates.rate(R0) is None and rates.rates() == {}
+
+
+# --- how the calibrator weighs it ---------------------------------------------------------------------------
+
+
+def observation(rate: float, work: float, ttft_scale: float = 1.0) -> Observation:
+    short = max(0.0, 1 - work / 8192)
+    return Observation(work, short, max(1.0, work / 8192), 0.0, ttft_scale * (work / rate + short * 0.02))
+
+
+def test_the_engine_bound_replaces_the_start_and_says_so() -> None:
+    calibrator = CostCalibrator(START)
+    assert calibrator.costs(R0).rate_source == "start"
+    calibrator.set_engine_rate(R0, 31_000.0)
+    costs = calibrator.costs(R0)
+    assert (costs.prefill_tokens_per_s, costs.rate_source, costs.source) == (31_000.0, "engine", "start")
+    assert calibrator.costs(R1).prefill_tokens_per_s == 10_000.0  # per replica
+    calibrator.set_engine_rate(R0, None)
+    assert calibrator.costs(R0).rate_source == "start"
+
+
+def test_the_engine_bound_raises_a_borrowed_rate_below_it_only() -> None:
+    calibrator = CostCalibrator(START)
+    for i in range(40):
+        calibrator.observe(R0, observation(40_000.0, 500.0 + 300 * (i % 20)))
+    peers = calibrator.costs(R1)
+    assert peers.source == "peers" and peers.prefill_tokens_per_s == pytest.approx(40_000, rel=0.05)
+    calibrator.set_engine_rate(R1, 20_000.0)  # below what its peers show: proves nothing more
+    assert calibrator.costs(R1).rate_source == "peers"
+    calibrator.set_engine_rate(R1, 90_000.0)  # a faster engine than its peers
+    assert calibrator.costs(R1).prefill_tokens_per_s == 90_000.0 and calibrator.costs(R1).rate_source == "engine"
+
+
+def test_the_replicas_own_fit_is_never_overridden() -> None:
+    calibrator = CostCalibrator(START)
+    calibrator.set_engine_rate(R0, 90_000.0)
+    for i in range(40):
+        calibrator.observe(R0, observation(40_000.0, 500.0 + 300 * (i % 20)))
+    costs = calibrator.costs(R0)
+    assert costs.source == costs.rate_source == "fit"
+    assert costs.prefill_tokens_per_s == pytest.approx(40_000, rel=0.05)
+
+
+def test_pinned_costs_ignore_the_engine() -> None:
+    policy = KvAwarePolicy(KvAwareConfig(calibrate=False))
+    policy.set_engine_rate(R0, 90_000.0)
+    costs = policy.costs(R0)
+    assert (costs.prefill_tokens_per_s, costs.rate_source) == (10_000.0, "pinned")
+    assert policy.engine_rates() == {}
+
+
+# --- over real sockets --------------------------------------------------------------------------------------
+
+
+class CapturedEngine:
+    """A fake vLLM replica: /health, and /metrics serving the captured exposition whose prefill totals advance on
+    every scrape by `step` (seconds, requests, tokens); `serve` swaps in another exposition (a restart, garbage)."""
+
+    def __init__(self, text: str, step: tuple[float, float, float] | None) -> None:
+        self.text = text
+        self.step = step
+        self.scrapes = 0
+        self.totals = (0.5012284339999269, 9.0, 1504.0)
+        self.override: str | None = None
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self.server = TestServer(app, host="127.0.0.1")
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        self.scrapes += 1
+        if self.override is not None:
+            return web.Response(text=self.override, content_type="text/plain")
+        if self.step is None:
+            return web.Response(text=self.text, content_type="text/plain")
+        self.totals = tuple(total + delta for total, delta in zip(self.totals, self.step, strict=True))  # type: ignore[assignment]
+        return web.Response(text=advanced(self.text, *self.totals), content_type="text/plain")
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+
+@pytest.fixture
+async def engines() -> Any:
+    started: list[CapturedEngine] = []
+
+    async def make(text: str, step: tuple[float, float, float] | None) -> CapturedEngine:
+        engine = CapturedEngine(text, step)
+        await engine.server.start_server()
+        started.append(engine)
+        return engine
+
+    yield make
+    for engine in started:
+        await engine.server.close()
+
+
+async def router_for(aiohttp_client: Any, engines: list[CapturedEngine], **overrides: Any) -> Any:
+    fleet = parse_fleet(
+        {"replicas": [{"name": f"e{i}", "url": e.url} for i, e in enumerate(engines)]}, Path("test-replicas.yaml")
+    )
+    settings = router_settings(policy="kv_aware", metrics_interval_s=0.02, **overrides)
+    return await aiohttp_client(create_app(settings, fleet, registry=CollectorRegistry()))
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        if all(f'{key}="{value}"' in line for key, value in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def debug_candidates(client: Any) -> dict[str, Any]:
+    body = {"model": "m", "prompt": list(range(100, 900)), "max_tokens": 2}
+    answer = await (await client.post("/debug/route", json=body)).json()
+    return {c["replica"]: c for c in answer["candidates"]}
+
+
+async def test_the_router_prices_a_warm_replica_from_its_engine_metrics(
+    aiohttp_client: Any, engines: Any, captured: str
+) -> None:
+    # 36k tokens/s: every scrape 0.1 s more prefill time for 3,600 more tokens; the other replica shows nothing.
+    warm = await engines(captured, (0.1, 2.0, 3600.0))
+    older = await engines("\n".join(line for line in captured.splitlines() if "request_prefill" not in line), None)
+    client = await router_for(aiohttp_client, [warm, older])
+
+    async def engine_rate() -> float | None:
+        return sample(await (await client.get("/metrics")).text(), "kvrouter_kv_engine_prefill_tokens_per_s")
+
+    rate = None
+    for _ in range(500):
+        rate = await engine_rate()
+        if rate is not None and rate > 30_000:
+            break
+        await asyncio.sleep(0.02)
+    assert rate is not None and 30_000 < rate <= 36_000 * 1.0001
+    candidates = await debug_candidates(client)
+    assert candidates["e0"]["cost_source"]["prefill_tokens_per_s"] == "engine"
+    assert candidates["e0"]["prefill_tokens_per_s"] > 30_000
+    assert candidates["e1"]["cost_source"] == {
+        "prefill_tokens_per_s": "start",
+        "pass_fixed_s": "start",
+        "decode_s_per_request": "start",
+    }
+    assert candidates["e1"]["prefill_tokens_per_s"] == 10_000
+    text = await (await client.get("/metrics")).text()
+    assert sample(text, "kvrouter_kv_calibrated_source", replica="e0", cost="prefill_tokens_per_s") == 1.0
+    assert 'source="engine"' in next(
+        line for line in text.splitlines() if line.startswith("kvrouter_kv_calibrated_source{") and '"e0"' in line
+    )
+    assert sample(text, "kvrouter_kv_engine_metrics_fallbacks_total", replica="e1", reason="missing")
+
+
+async def test_fallbacks_are_counted_logged_once_and_never_break_the_router(
+    aiohttp_client: Any, engines: Any, captured: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvrouter.server.engine_costs")
+    engine = await engines(captured, (0.1, 2.0, 3600.0))
+    client = await router_for(aiohttp_client, [engine])
+    await eventually(lambda: engine.scrapes >= 3, what="scrapes")
+    # Garbage: the rate it had stays, each such scrape is counted.
+    engine.override = captured.replace(
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} 0.5012284339999269',
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} NaN',
+    )
+    seen = engine.scrapes
+    await eventually(lambda: engine.scrapes >= seen + 3, what="garbage scrapes")
+    # A restart: the totals start again from the captured ones, far below what the router last saw.
+    engine.override = None
+    engine.totals = (0.0, 0.0, 0.0)
+    seen = engine.scrapes
+    await eventually(lambda: engine.scrapes >= seen + 3, what="scrapes after the restart")
+    text = await (await client.get("/metrics")).text()
+    assert (sample(text, "kvrouter_kv_engine_metrics_fallbacks_total", replica="e0", reason="invalid") or 0) >= 3
+    assert sample(text, "kvrouter_kv_engine_metrics_fallbacks_total", replica="e0", reason="reset") == 1
+    rate = sample(text, "kvrouter_kv_engine_prefill_tokens_per_s", replica="e0")
+    assert rate is not None and rate == pytest.approx(36_000, rel=0.01)  # the restarted engine's own totals
+    invalid_logs = [r for r in caplog.records if "not a finite count" in r.getMessage()]
+    assert len(invalid_logs) == 1 and "e0" in invalid_logs[0].getMessage()
+    assert (await client.get("/health")).status == 200
+
+
+async def test_switched_off_the_router_reads_no_engine_rate(aiohttp_client: Any, engines: Any, captured: str) -> None:
+    engine = await engines(captured, (0.1, 2.0, 3600.0))
+    client = await router_for(aiohttp_client, [engine], kv_engine_metrics=False)
+    await eventually(lambda: engine.scrapes >= 5, what="scrapes")
+    text = await (await client.get("/metrics")).text()
+    assert "kvrouter_kv_engine_prefill_tokens_per_s" not in text
+    assert (await debug_candidates(client))["e0"]["cost_source"]["prefill_tokens_per_s"] == "start"
