@@ -3,7 +3,7 @@
 Pure tests of the parser (on a captured vLLM 0.32 exposition), the per-replica estimator and how the calibrator
 weighs it; then over real sockets a fake engine serving that captured text with its prefill totals advancing
 (the router picks the rate up, /debug/route and /metrics show it), and the fallbacks: histograms missing, garbage,
-an engine restart.
+an engine restart; last, the replay's engine totals on a mixed fleet.
 """
 
 from __future__ import annotations
@@ -19,8 +19,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
-from kvrouter.config import parse_fleet
+from kvrouter.config import Settings, parse_fleet
 from kvrouter.policies.kv_aware import KvAwareConfig, KvAwarePolicy
+from kvrouter.replay.cli import replay_policy_object
+from kvrouter.replay.driver import ReplayOptions, VirtualClock, replay_policy
+from kvrouter.replay.engine_metrics import PrefillTotals
+from kvrouter.replay.prompts import PromptCatalog
+from kvrouter.replay.trace import load_trace, unshared
 from kvrouter.routing.calibration import CostCalibrator, Observation, ReplicaCosts
 from kvrouter.routing.engine_rates import (
     EngineRateConfig,
@@ -30,9 +35,10 @@ from kvrouter.routing.engine_rates import (
     parse_engine_totals,
 )
 from kvrouter.server.app import create_app
+from kvrouter.sim.mocker import DynamoMockerEngine, MockerConfig
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import eventually, router_settings
-from tests.shared_data import VLLM_CAPTURES, shared
+from tests.shared_data import MOONCAKE_CONVERSATION, VLLM_CAPTURES, shared
 
 R0, R1 = ReplicaName("r0"), ReplicaName("r1")
 START = ReplicaCosts(10_000.0, 0.01, 0.0005)
@@ -356,3 +362,44 @@ async def test_switched_off_the_router_reads_no_engine_rate(aiohttp_client: Any,
     text = await (await client.get("/metrics")).text()
     assert "kvrouter_kv_engine_prefill_tokens_per_s" not in text
     assert (await debug_candidates(client))["e0"]["cost_source"]["prefill_tokens_per_s"] == "start"
+
+
+# --- in replay ----------------------------------------------------------------------------------------------
+
+
+def test_prefill_totals_follow_admission_and_first_token() -> None:
+    totals = PrefillTotals()
+    totals.admitted(R0, "a", now=1.0, computed_tokens=4000)
+    totals.admitted(R0, "a", now=3.0, computed_tokens=100)  # re-admitted after a preemption: the first counts
+    totals.admitted(R1, "b", now=1.5, computed_tokens=-5)
+    totals.first_token("a", now=1.25)
+    totals.first_token("b", now=2.0)
+    totals.first_token("never-admitted", now=2.0)
+    assert totals.totals(R0) == EngineTotals(0.25, 1.0, 4000.0)
+    assert totals.totals(R1) == EngineTotals(0.5, 1.0, 0.0)
+    assert totals.totals(ReplicaName("idle")) == EngineTotals(0.0, 0.0, 0.0)
+
+
+def test_a_replayed_mixed_fleet_shows_each_engine_its_own_rate() -> None:
+    """The first 600 conversation requests, nothing shared, on 2 engines (engine-1 at half speed), with the engine
+    source fed as the live router's scrape loop feeds it: each bound is below that engine's rate, and the slow
+    engine's about half the fast one's."""
+    trace = unshared(load_trace(shared(MOONCAKE_CONVERSATION), speedup=1.0, limit=600))
+    catalog = PromptCatalog(trace_block_tokens=trace.block_tokens, block_size=64)
+    prompts = [catalog.prepare(request) for request in trace.requests]
+    clock = VirtualClock()
+    policy = replay_policy_object("kv_aware", Settings(), clock)
+    assert isinstance(policy, KvAwarePolicy)
+    replay_policy(
+        requests=trace.requests,
+        prompts=prompts,
+        catalog=catalog,
+        policy=policy,
+        engine_factory=[DynamoMockerEngine, lambda: DynamoMockerEngine(MockerConfig(speedup=0.5))],
+        options=ReplayOptions(replicas=2, engine_metrics=True),
+        clock=clock,
+    )
+    rates = policy.engine_rates()
+    fast, slow = rates["engine-0"], rates["engine-1"]
+    assert fast <= 8192 / 0.169 * 1.05  # the mocker's full pass: 8,192 tokens in ~169 ms
+    assert fast > 20_000 and slow / fast == pytest.approx(0.5, abs=0.15)
