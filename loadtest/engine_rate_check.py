@@ -3,9 +3,9 @@
 Starts one simulated replica (`kvrouter sim`'s app, in process, on 127.0.0.1) of a profile, sends it streamed
 token-id prompts that share nothing (every token computed) at a fixed number of requests in flight, scrapes its
 /metrics every `--scrape-s` of wall time and feeds the scrapes to `EngineRates` exactly as the router's scrape
-loop does (`kvrouter/routing/engine_rates.py`, clock in simulated seconds). It prints, per concurrency, the
-bound's two parts and the profile's own prefill rate through full passes (`batch` tokens per pass time), and
-their ratio: the bound must stay at or below 1.0x, and the closer the better.
+loop does (`kvrouter/routing/engine_rates.py`). It prints, per concurrency, the share of the run some request was
+in prefill, the bound and the profile's own prefill rate for one full pass from an empty context, and their
+ratio: the bound must stay at or below 1.0x, and the closer the better.
 
     python loadtest/engine_rate_check.py --profile dynamo-mocker --concurrency 1,4,16 --requests 60
 """
@@ -20,7 +20,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from kvrouter.routing.engine_rates import EngineRateConfig, EngineRates, EngineTotals, parse_engine_totals
+from kvrouter.routing.engine_rates import EngineRates, EngineTotals, parse_engine_totals
 from kvrouter.sim.profiles import build_engine, get_profile
 from kvrouter.sim.server import ReplicaSettings, build_replica_app
 from kvrouter.sim.textio import SimTokenizer
@@ -42,14 +42,14 @@ async def run(profile_name: str, concurrency: int, requests: int, scale: float, 
     port = runner.addresses[0][1]
     url = f"http://127.0.0.1:{port}"
     rng = random.Random(seed)
-    rates = EngineRates(EngineRateConfig(min_span_s=60.0))
+    rates = EngineRates()
     started = time.monotonic()
     done = False
 
     async def scrape(session: aiohttp.ClientSession) -> EngineTotals | None:
         async with session.get(f"{url}/metrics") as response:
             scraped = parse_engine_totals(await response.text())
-        rates.observe(ReplicaName("e0"), scraped, (time.monotonic() - started) * scale)
+        rates.observe(ReplicaName("e0"), scraped)
         return scraped if isinstance(scraped, EngineTotals) else None
 
     async def scraper(session: aiohttp.ClientSession) -> None:

@@ -704,6 +704,8 @@ class Replay:
         if self.prefill_totals is not None:
             for request_id in result.first_tokens:
                 self.prefill_totals.first_token(request_id, now)
+            for request_id in result.finished:
+                self.prefill_totals.finished(request_id)
         for request_id in result.first_tokens:
             routed = self._routed.get(request_id)
             if routed is None:
@@ -862,7 +864,7 @@ class Replay:
             if self.prefill_totals is not None:
                 totals = self.prefill_totals.totals(engine.name)
                 for instance, rates in zip(self.instances, self._engine_rates, strict=True):
-                    rates.observe(engine.name, totals, self.now)
+                    rates.observe(engine.name, totals)
                     sink = getattr(instance.router.policy, "set_engine_rate", None)
                     if sink is not None:
                         sink(engine.name, rates.rate(engine.name))

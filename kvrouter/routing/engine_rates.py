@@ -1,25 +1,24 @@
 """Each replica's prefill rate as its engine's own /metrics histograms show it: a lower bound for kv_aware's costs.
 
-vLLM observes, per request when its first token is out, `vllm:request_prefill_time_seconds` (scheduled to first
-token: the passes that computed its prompt) and `vllm:request_prefill_kv_computed_tokens` (the prompt tokens it
-computed, cache hits excluded). Their `_sum`s and `_count`s are cumulative since the engine started, so the router
-reads the engine's whole history at its first scrape and each later scrape adds an interval (the deltas).
+vLLM (0.26 and 0.32 alike, `vllm/v1/metrics/stats.py`) observes, per request when it finishes,
+`vllm:request_prefill_time_seconds` (first scheduled to first token: the passes that computed its prompt, any
+preemption in between included) and `vllm:request_prefill_kv_computed_tokens` (the prompt tokens it computed,
+cache hits excluded). Their `_sum`s and `_count`s are cumulative since the engine started, so the router reads
+the engine's whole history at its first scrape and each later scrape adds an interval (the deltas).
 
 What the ratio means. Σ computed tokens / Σ prefill seconds is the rate one request's prompt advanced at. Where
-the engine ran one prefill at a time it is the engine's prefill throughput (the decode work sharing those passes
-included, which kv_aware prices on top, so still a little low). Where a pass batches several prefills (several
-requests scheduled in one pass, or a long prompt's chunks beside another's), their prefill seconds overlap and
-the ratio divides the rate by how many were in prefill at once: it understates the rate under load, never
-overstates it (no request's tokens can advance faster than the engine's). A second bound covers the loaded case:
-Σ computed tokens / Σ wall seconds over the intervals seen, the rate the engine sustained while the router
-watched, which is tight when the engine prefilled without pause and low when it idled; it is used only once the
-intervals span `min_span_s`, so that a long prompt straddling the window's edge (its tokens counted in the
-interval where it finished) moves it by at most its own tokens over that span. The estimate is the larger of
-the two bounds, over the engine's history (until it slides out) and the last `window` intervals: a lower bound,
-tight at light load (one prefill at a time) and at saturation, below the rate in between. So it is never taken
-as the replica's rate where the router has its own fit of the replica's TTFTs; `CostCalibrator` uses it to
-replace the configured starting guess and to raise a borrowed estimate that lies below it
-(`kvrouter.routing.calibration`).
+the engine ran one prefill at a time it is the engine's prefill throughput (less the decode work sharing those
+passes, which kv_aware prices on top). Where a pass batches several prefills (several requests scheduled in one
+pass, or a long prompt's chunks beside another's), their prefill seconds overlap and the ratio divides the rate by
+how many were in prefill at once: it understates the rate under load, never overstates it (no request's tokens
+advance faster than the engine computes). Both sums cover the same requests, so it does not matter that they
+reach the exposition when a request finishes, long after its prefill; a rate per wall second between scrapes
+would (a burst of requests finishing after long answers carries tokens computed minutes before), so none is
+derived. The estimate is the ratio over the engine's history (until it slides out of the window) and the last
+`window` intervals: a lower bound, tight at light load, loose by the number of prefills batched together under
+load. So it is never taken as the replica's rate where the router has its own fit of the replica's TTFTs;
+`CostCalibrator` uses it to replace the configured starting guess and to raise a borrowed estimate that lies
+below it (`kvrouter.routing.calibration`).
 
 The engine's pass duration is not exported (no histogram of pass time), so the fixed pass cost and the decode
 cost per request are not derived here; `vllm:iteration_tokens_total` counts passes and their tokens, not time.
@@ -28,11 +27,10 @@ Bad input, each a named `Fallback` the caller counts and logs once per replica: 
 the two histograms: older vLLM, another engine), `invalid` (a value that is not a finite non-negative number, a
 count that is not whole; the scrape is skipped), `reset` (a total went down: the engine restarted, perhaps on
 other hardware; the history and window restart from the new totals). A replica with a fallback keeps the
-router-only view: `rate` is None until the engine shows enough again. Pure and synchronous; the caller passes
-the clock reading of each scrape.
+router-only view: `rate` is None until the engine shows enough again. Pure and synchronous, no clock.
 
 Knobs (`EngineRateConfig`): `window` [120 intervals: two minutes of scrapes at the default 1 s], `min_requests`
-[4: prefills behind a figure], `min_span_s` [60].
+[4: prefills behind a figure].
 """
 
 from __future__ import annotations
@@ -103,27 +101,17 @@ def parse_engine_totals(text: str) -> EngineTotals | Fallback:
 class EngineRateConfig:
     window: int = 120
     min_requests: int = 4
-    min_span_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.min_requests < 1 or self.min_span_s <= 0:
-            raise ValueError("window and min_requests must be >= 1 and min_span_s positive")
-
-
-@dataclass(frozen=True, slots=True)
-class _Interval:
-    tokens: float
-    prefill_s: float
-    requests: float
-    wall_s: float | None
-    """None for the engine's history before the first scrape (its length is unknown)."""
+        if self.window < 1 or self.min_requests < 1:
+            raise ValueError("window and min_requests must be >= 1")
 
 
 @dataclass(slots=True)
 class _Engine:
     last: EngineTotals | None = None
-    last_at: float = 0.0
-    intervals: deque[_Interval] = field(default_factory=deque)
+    intervals: deque[EngineTotals] = field(default_factory=deque)
+    """The history before the first scrape, then each scrape's deltas."""
     rate: float | None = None
 
 
@@ -134,7 +122,7 @@ class EngineRates:
     config: EngineRateConfig = field(default_factory=EngineRateConfig)
     _engines: dict[ReplicaName, _Engine] = field(default_factory=dict)
 
-    def observe(self, replica: ReplicaName, scraped: EngineTotals | Fallback, now: float) -> Fallback | None:
+    def observe(self, replica: ReplicaName, scraped: EngineTotals | Fallback) -> Fallback | None:
         """One scrape's totals (or the parser's fallback); returns the fallback this scrape caused, if any."""
         engine = self._engines.get(replica)
         if engine is None:
@@ -155,34 +143,26 @@ class EngineRates:
             fallback, last = Fallback.RESET, None
             engine.intervals.clear()
         if last is None:
-            # The engine's history since it started, of unknown length (no wall time).
-            engine.intervals.append(
-                _Interval(scraped.computed_tokens, scraped.prefill_s, scraped.prefill_requests, None)
-            )
+            engine.intervals.append(scraped)  # the engine's history since it started
         else:
             engine.intervals.append(
-                _Interval(
-                    scraped.computed_tokens - last.computed_tokens,
+                EngineTotals(
                     scraped.prefill_s - last.prefill_s,
                     scraped.prefill_requests - last.prefill_requests,
-                    max(0.0, now - engine.last_at),
+                    scraped.computed_tokens - last.computed_tokens,
                 )
             )
-        engine.last, engine.last_at = scraped, now
+        engine.last = scraped
         engine.rate = self._estimate(engine.intervals)
         return fallback
 
-    def _estimate(self, intervals: deque[_Interval]) -> float | None:
-        tokens = sum(i.tokens for i in intervals)
+    def _estimate(self, intervals: deque[EngineTotals]) -> float | None:
+        tokens = sum(i.computed_tokens for i in intervals)
         prefill_s = sum(i.prefill_s for i in intervals)
-        requests = sum(i.requests for i in intervals)
+        requests = sum(i.prefill_requests for i in intervals)
         if requests < self.config.min_requests or tokens <= 0 or prefill_s <= 0:
             return None
-        by_prefill_time = tokens / prefill_s
-        walled = [i for i in intervals if i.wall_s is not None]
-        span_s = sum(i.wall_s or 0.0 for i in walled)
-        by_wall = sum(i.tokens for i in walled) / span_s if span_s >= self.config.min_span_s else 0.0
-        rate = max(by_prefill_time, by_wall)
+        rate = tokens / prefill_s
         return rate if rate <= MAX_RATE else None
 
     def rate(self, replica: ReplicaName) -> float | None:

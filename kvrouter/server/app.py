@@ -238,7 +238,7 @@ def create_app(
     engine_rates = None
     if isinstance(policy, KvAwarePolicy) and policy.calibration is not None and settings.kv_engine_metrics:
         # The engines' own /metrics: a lower bound on each replica's prefill rate (kvrouter/routing/engine_rates.py).
-        replicas.on_engine_totals = EngineCostFeed(policy, metrics, clock)
+        replicas.on_engine_totals = EngineCostFeed(policy, metrics)
         engine_rates = policy.engine_rates
     if cost_source is not None:
         collector = CalibrationCollector(

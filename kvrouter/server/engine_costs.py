@@ -11,7 +11,6 @@ scrape); a later one of the same kind is only counted. Built by the app factory 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Protocol
 
 from kvrouter.metrics import RouterMetrics
@@ -33,21 +32,14 @@ class EngineRateSink(Protocol):
 
 
 class EngineCostFeed:
-    def __init__(
-        self,
-        policy: EngineRateSink,
-        metrics: RouterMetrics,
-        clock: Callable[[], float],
-        rates: EngineRates | None = None,
-    ) -> None:
+    def __init__(self, policy: EngineRateSink, metrics: RouterMetrics, rates: EngineRates | None = None) -> None:
         self.policy = policy
         self.rates = rates or EngineRates()
         self._metrics = metrics
-        self._clock = clock
         self._logged: set[tuple[ReplicaName, Fallback]] = set()
 
     def __call__(self, replica: ReplicaName, scraped: EngineTotals | Fallback) -> None:
-        fallback = self.rates.observe(replica, scraped, self._clock())
+        fallback = self.rates.observe(replica, scraped)
         if fallback is not None:
             self._metrics.engine_metrics_fallbacks.labels(replica, fallback.value).inc()
             if (replica, fallback) not in self._logged:

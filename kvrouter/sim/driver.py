@@ -141,12 +141,7 @@ class EngineDriver:
             if item.first_token is None:
                 item.first_token = now
                 if metrics is not None:
-                    scale = self.time_scale
-                    scheduled = item.arrived if item.scheduled is None else item.scheduled
-                    metrics.ttft.observe((now - item.arrived) * scale)
-                    metrics.queue_time.observe(max(0.0, scheduled - item.arrived) * scale)
-                    metrics.prefill_time.observe(max(0.0, now - scheduled) * scale)
-                    metrics.prefill_computed_tokens.observe(max(0, item.request.prompt_len - item.cached_tokens))
+                    metrics.ttft.observe((now - item.arrived) * self.time_scale)
                     metrics.prompt_tokens.inc(item.request.prompt_len)
             item.emitted += 1
             item.sink.put_nowait((item.index, TOKEN))
@@ -158,5 +153,12 @@ class EngineDriver:
                 continue
             item.finished = True
             if metrics is not None:
-                metrics.e2e.observe((now - item.arrived) * self.time_scale)
+                scale = self.time_scale
+                metrics.e2e.observe((now - item.arrived) * scale)
+                # Like vLLM, at the end: queue (arrival to first scheduling), prefill (to the first token).
+                scheduled = item.arrived if item.scheduled is None else item.scheduled
+                first = now if item.first_token is None else item.first_token
+                metrics.queue_time.observe(max(0.0, scheduled - item.arrived) * scale)
+                metrics.prefill_time.observe(max(0.0, first - scheduled) * scale)
+                metrics.prefill_computed_tokens.observe(max(0, item.request.prompt_len - item.cached_tokens))
             item.sink.put_nowait((item.index, DONE))

@@ -3,9 +3,9 @@
 Each replica has its own `CollectorRegistry` (several replicas share one process). Engine-side values (running,
 waiting, KV usage, prefix-cache query and hit counters) are read from the engine model at scrape time, so they
 are never stale; latency histograms are observed by the driver, in simulated seconds (wall time x time scale),
-with vLLM's bucket bounds — TTFT, e2e, and per request at its first token its queue time, its prefill time (from
-the pass that scheduled it to its first token) and the prompt tokens it computed, which kv_aware's engine source
-reads (kvrouter/routing/engine_rates.py).
+with vLLM's bucket bounds — TTFT at the first token; e2e and, as vLLM does when a request finishes, its queue time,
+its prefill time (from the pass that first scheduled it to its first token) and the prompt tokens it computed,
+which kv_aware's engine source reads (kvrouter/routing/engine_rates.py).
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ class ReplicaMetrics:
             buckets=E2E_BUCKETS,
             registry=self.registry,
         ).labels(**labels)
-        # Per request at its first token, as vLLM's v1 loggers observe them: the time it waited to be scheduled,
-        # the time from being scheduled to its first token (its prefill passes) and the prompt tokens it computed.
+        # Per request when it finishes, as vLLM's v1 loggers observe them: the time it waited to be scheduled, the
+        # time from being scheduled to its first token (its prefill passes) and the prompt tokens it computed.
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
