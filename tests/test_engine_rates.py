@@ -159,6 +159,31 @@ def test_a_counter_that_goes_down_is_a_restart() -> None:
     assert rates.rate(R0) == pytest.approx(80_000)  # the new engine's own history
 
 
+def test_a_sum_that_goes_down_while_the_count_rises_is_invalid_not_a_restart() -> None:
+    rates = EngineRates()
+    rates.observe(R0, totals(10.0, 100, 300_000))
+    # An engine-side abort before the first token: vLLM observes first_token_ts (0) - scheduled_ts, negative.
+    assert rates.observe(R0, totals(-5.0, 101, 300_100)) is Fallback.INVALID
+    assert rates.rate(R0) == pytest.approx(30_000)
+    assert rates.observe(R0, totals(-4.0, 111, 340_100)) is None  # measured from the invalid scrape on
+    assert rates.rate(R0) == pytest.approx(340_000 / 11.0)
+    # A router that starts after such an abort: the history is unusable, the deltas are not.
+    later = EngineRates()
+    assert later.observe(R0, totals(-1e6, 100, 300_000)) is Fallback.INVALID
+    assert later.rate(R0) is None
+    later.observe(R0, totals(-1e6 + 1.0, 110, 340_000))
+    assert later.rate(R0) == pytest.approx(40_000)
+
+
+def test_a_negative_prefill_time_sum_parses(captured: str) -> None:
+    text = captured.replace(
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} 0.5012284339999269',
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} -123456.5',
+    )
+    totals_now = parse_engine_totals(text)
+    assert isinstance(totals_now, EngineTotals) and totals_now.prefill_s == -123456.5
+
+
 def test_missing_histograms_drop_the_rate_and_invalid_scrapes_keep_it() -> None:
     rates = EngineRates()
     rates.observe(R0, totals(10.0, 100, 300_000))

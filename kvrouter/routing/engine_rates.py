@@ -25,8 +25,9 @@ cost per request are not derived here; `vllm:iteration_tokens_total` counts pass
 
 Bad input, each a named `Fallback` the caller counts and logs once per replica: `missing` (the exposition lacks
 the two histograms: older vLLM, another engine), `invalid` (a value that is not a finite non-negative number, a
-count that is not whole; the scrape is skipped), `reset` (a total went down: the engine restarted, perhaps on
-other hardware; the history and window restart from the new totals). A replica with a fallback keeps the
+count that is not whole, or a sum that went down while the count did not; the scrape's interval is skipped),
+`reset` (the count went down: the engine restarted, perhaps on other hardware; the history and window restart
+from the new totals). A replica with a fallback keeps the
 router-only view: `rate` is None until the engine shows enough again. Pure and synchronous, no clock.
 
 Knobs (`EngineRateConfig`): `window` [120 intervals: two minutes of scrapes at the default 1 s], `min_requests`
@@ -86,7 +87,9 @@ def parse_engine_totals(text: str) -> EngineTotals | Fallback:
             value = float(rest.split()[0])
         except (ValueError, IndexError):
             return Fallback.INVALID
-        if not math.isfinite(value) or value < 0:
+        # A prefill-time sum may go negative for good: vLLM observes a request the engine aborted before its first
+        # token with 0 - its scheduling time. The deltas after it still hold, so only the estimator judges it.
+        if not math.isfinite(value) or (value < 0 and slot != 0):
             return Fallback.INVALID
         totals[slot] += value
         seen[slot] = True
@@ -135,14 +138,21 @@ class EngineRates:
             return scraped
         last = engine.last
         fallback = None
-        if last is not None and (
-            scraped.prefill_s < last.prefill_s
-            or scraped.prefill_requests < last.prefill_requests
-            or scraped.computed_tokens < last.computed_tokens
-        ):
+        if last is not None and scraped.prefill_requests < last.prefill_requests:
             fallback, last = Fallback.RESET, None
             engine.intervals.clear()
+        elif last is not None and (
+            scraped.prefill_s < last.prefill_s or scraped.computed_tokens < last.computed_tokens
+        ):
+            # More requests but less time or fewer tokens: an observation that took some away (vLLM records a
+            # request aborted by the engine before its first token with a negative prefill time). The interval is
+            # dropped; the next one is measured from here.
+            engine.last = scraped
+            return Fallback.INVALID
         if last is None:
+            engine.last = scraped
+            if scraped.prefill_s < 0:
+                return fallback or Fallback.INVALID  # a history with such an abort in it: only deltas from here
             engine.intervals.append(scraped)  # the engine's history since it started
         else:
             engine.intervals.append(
