@@ -157,8 +157,8 @@ class RouterMetrics:
         self.engine_metrics_fallbacks = Counter(
             "kvrouter_kv_engine_metrics_fallbacks",
             "Scrapes whose prefill histograms kv_aware could not use, by replica and reason (missing: not exported, "
-            "invalid: a value that is not a finite count, reset: a total went down, the engine restarted); the "
-            "replica is priced from the router's own view.",
+            "invalid: a value that is not a finite count or a sum that went down while the count rose, reset: the "
+            "count went down, the engine restarted); the replica is priced from the router's own view meanwhile.",
             ["replica", "reason"],
             registry=registry,
         )

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 _WHY = {
     Fallback.MISSING: "its /metrics has no vllm:request_prefill_time_seconds and "
     "vllm:request_prefill_kv_computed_tokens histograms (an older vLLM or another engine)",
-    Fallback.INVALID: "its /metrics prefill histograms hold a value that is not a finite count",
+    Fallback.INVALID: "its /metrics prefill histograms hold a value that is not a finite count, or a sum that went "
+    "down while the count rose",
     Fallback.RESET: "its prefill totals went down (the engine restarted); its engine history starts again",
 }
 
