@@ -157,6 +157,8 @@ def test_a_counter_that_goes_down_is_a_restart() -> None:
     rates.observe(R0, totals(10.0, 100, 300_000))
     assert rates.observe(R0, totals(0.5, 10, 40_000)) is Fallback.RESET
     assert rates.rate(R0) == pytest.approx(80_000)  # the new engine's own history
+    assert rates.observe(R0, totals(0.1, 2, 8_000)) is Fallback.RESET
+    assert rates.rate(R0) is None  # too few prefills since this restart: not the old engine's figure
 
 
 def test_a_sum_that_goes_down_while_the_count_rises_is_invalid_not_a_restart() -> None:

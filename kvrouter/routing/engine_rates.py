@@ -24,11 +24,11 @@ The engine's pass duration is not exported (no histogram of pass time), so the f
 cost per request are not derived here; `vllm:iteration_tokens_total` counts passes and their tokens, not time.
 
 Bad input, each a named `Fallback` the caller counts and logs once per replica: `missing` (the exposition lacks
-the two histograms: older vLLM, another engine), `invalid` (a value that is not a finite non-negative number, a
-count that is not whole, or a sum that went down while the count did not; the scrape's interval is skipped),
-`reset` (the count went down: the engine restarted, perhaps on other hardware; the history and window restart
-from the new totals). A replica with a fallback keeps the
-router-only view: `rate` is None until the engine shows enough again. Pure and synchronous, no clock.
+the two histograms: older vLLM, another engine), `invalid` (a value that is not a finite number, a negative token
+sum, a count that is not whole, or a sum that went down while the count did not; the scrape's interval is
+skipped), `reset` (the count went down: the engine restarted, perhaps on other hardware; the history and window
+restart from the new totals). A replica without a rate (too few prefills yet, missing histograms, right after a
+reset) keeps the router-only view. Pure and synchronous, no clock.
 
 Knobs (`EngineRateConfig`): `window` [120 intervals: two minutes of scrapes at the default 1 s], `min_requests`
 [4: prefills behind a figure].
@@ -141,6 +141,7 @@ class EngineRates:
         if last is not None and scraped.prefill_requests < last.prefill_requests:
             fallback, last = Fallback.RESET, None
             engine.intervals.clear()
+            engine.rate = None
         elif last is not None and (
             scraped.prefill_s < last.prefill_s or scraped.computed_tokens < last.computed_tokens
         ):
