@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -36,6 +37,10 @@ from kvrouter.routing.engine_rates import (
 )
 from kvrouter.server.app import create_app
 from kvrouter.sim.mocker import DynamoMockerEngine, MockerConfig
+from kvrouter.sim.profiles import build_engine, get_profile
+from kvrouter.sim.server import ReplicaSettings, build_replica_app
+from kvrouter.sim.textio import SimTokenizer
+from kvrouter.tinymodel import ensure_tokenizer
 from kvrouter.typedefs import ReplicaName
 from tests.conftest import eventually, router_settings
 from tests.shared_data import MOONCAKE_CONVERSATION, VLLM_CAPTURES, shared
@@ -432,3 +437,48 @@ def test_a_replayed_mixed_fleet_shows_each_engine_its_own_rate() -> None:
     fast, slow = rates["engine-0"], rates["engine-1"]
     assert fast <= 8192 / 0.169 * 1.05  # the mocker's full pass: 8,192 tokens in ~169 ms
     assert fast > 20_000 and slow / fast == pytest.approx(0.5, abs=0.15)
+
+
+async def test_a_router_started_in_front_of_a_warm_simulated_replica_prices_it_from_its_history(
+    aiohttp_client: Any,
+) -> None:
+    """A `kvrouter sim` replica (cpu-tiny, real sockets) serves 8 prompts before any router exists; a kv_aware
+    router started then (its start mis-set at 2,000 tokens/s) prices it from the engine's history at its first
+    scrapes, at or below the profile's rate, where the router alone would still use the start (it has routed
+    nothing). Time scale 2: passes of tens of milliseconds, so timer slack on a busy machine moves the measured
+    prefill time little."""
+    profile = get_profile("cpu-tiny")
+    settings = ReplicaSettings(
+        name="s0", model_name="tiny", max_model_len=4096, request_overhead_s=profile.request_overhead_s, time_scale=2.0
+    )
+    sim = TestServer(
+        build_replica_app(settings, build_engine(profile, block_size=32), SimTokenizer(ensure_tokenizer()))
+    )
+    await sim.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for number in range(8):
+                prompt = [1000 + number * 2000 + i for i in range(2000)]  # nothing shared
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+                async with session.post(sim.make_url("/v1/completions"), json=body) as response:
+                    assert response.status == 200
+        fleet = parse_fleet({"replicas": [{"name": "s0", "url": str(sim.make_url("")).rstrip("/")}]}, Path("r.yaml"))
+        router = await aiohttp_client(
+            create_app(
+                router_settings(policy="kv_aware", metrics_interval_s=0.05, kv_prefill_tokens_per_s=2000),
+                fleet,
+                registry=CollectorRegistry(),
+            )
+        )
+        for _ in range(200):
+            candidate = (await debug_candidates(router))["s0"]
+            if candidate["cost_source"]["prefill_tokens_per_s"] == "engine":
+                break
+            await asyncio.sleep(0.05)
+        assert candidate["cost_source"]["prefill_tokens_per_s"] == "engine"
+        assert candidate["calibration_samples"] == 0  # nothing of its own yet
+        one_pass = 2000 / profile.step_time(2000, 0, 2000, 2000 * 1000)  # ~14.8k tokens/s
+        assert 0.5 * one_pass < candidate["prefill_tokens_per_s"] <= 1.01 * one_pass
+        assert candidate["prefill_tokens_per_s"] > 3 * 2000  # the start it replaced
+    finally:
+        await sim.close()
