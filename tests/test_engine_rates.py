@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from kvrouter.config import Settings, parse_fleet
+from kvrouter.metrics import RouterMetrics
 from kvrouter.policies.kv_aware import KvAwareConfig, KvAwarePolicy
 from kvrouter.replay.cli import replay_policy_object
 from kvrouter.replay.driver import ReplayOptions, VirtualClock, replay_policy
@@ -35,7 +36,8 @@ from kvrouter.routing.engine_rates import (
     Fallback,
     parse_engine_totals,
 )
-from kvrouter.server.app import create_app
+from kvrouter.server.app import create_app, forget_replica
+from kvrouter.server.engine_costs import EngineCostFeed
 from kvrouter.sim.mocker import DynamoMockerEngine, MockerConfig
 from kvrouter.sim.profiles import build_engine, get_profile
 from kvrouter.sim.server import ReplicaSettings, build_replica_app
@@ -482,3 +484,15 @@ async def test_a_router_started_in_front_of_a_warm_simulated_replica_prices_it_f
         assert candidate["prefill_tokens_per_s"] > 3 * 2000  # the start it replaced
     finally:
         await sim.close()
+
+
+def test_a_replica_that_is_gone_loses_its_engine_history() -> None:
+    """Refused connection or removed from the fleet: `forget_replica` drops its engine totals and bound too."""
+    policy = KvAwarePolicy()
+    feed = EngineCostFeed(policy, RouterMetrics(CollectorRegistry()))
+    feed(R0, totals(10.0, 100, 300_000))
+    assert policy.costs(R0).rate_source == "engine"
+    forget_replica(None, [], lambda: 0.0, None, feed)(R0)
+    assert policy.costs(R0).rate_source == "start" and feed.rates.rate(R0) is None
+    feed(R0, totals(0.1, 1, 3000))  # the engine back, its totals started again: no reset, too few prefills yet
+    assert policy.costs(R0).rate_source == "start"

@@ -236,9 +236,10 @@ def create_app(
     )
     cost_source = policy if isinstance(policy, CostSource) else None
     engine_rates = None
+    engine_feed = None
     if isinstance(policy, KvAwarePolicy) and policy.calibration is not None and settings.kv_engine_metrics:
         # The engines' own /metrics: a lower bound on each replica's prefill rate (kvrouter/routing/engine_rates.py).
-        replicas.on_engine_totals = EngineCostFeed(policy, metrics)
+        engine_feed = replicas.on_engine_totals = EngineCostFeed(policy, metrics)
         engine_rates = policy.engine_rates
     if cost_source is not None:
         collector = CalibrationCollector(
@@ -247,7 +248,7 @@ def create_app(
         metrics.registry.register(collector)
     saturation = SaturationConfig(settings.kv_prefill_tokens_per_s, settings.saturation_queue_s)
     metrics.registry.register(QualityCollector(quality, replicas, load, saturation, costs=cost_source))
-    forget = forget_replica(prefix.index, prefix.event_listeners, clock, sessions)
+    forget = forget_replica(prefix.index, prefix.event_listeners, clock, sessions, engine_feed)
     replicas.on_gone = forget
     flow = fleet.flow
     if settings.flow_control is not None:
@@ -330,9 +331,11 @@ def forget_replica(
     listeners: Sequence[EventListener],
     clock: Callable[[], float],
     sessions: SessionTable | None = None,
+    engine_feed: EngineCostFeed | None = None,
 ) -> Callable[[ReplicaName], None]:
     """A replica's cache is gone (it refused a connection: its engine is down; or it left the fleet): its blocks
-    leave the index, every overlay forgets what it learnt about it and its sessions are free to go elsewhere."""
+    leave the index, every overlay forgets what it learnt about it, its sessions are free to go elsewhere and its
+    engine's prefill history no longer counts (an engine that comes back starts its totals again)."""
 
     def forget(replica: ReplicaName) -> None:
         if index is not None:
@@ -344,6 +347,8 @@ def forget_replica(
         tell_cleared(listeners, replica, clock())
         if sessions is not None:
             sessions.forget(replica)
+        if engine_feed is not None:
+            engine_feed.forget(replica)
 
     return forget
 
