@@ -522,6 +522,15 @@ class Settings(BaseSettings):
             "x the replica's weight)."
         ),
     )
+    kv_engine_metrics: bool = Field(
+        default=True,
+        description=(
+            "With kv_calibrate: read each replica's prefill rate lower bound from its engine's /metrics "
+            "(vllm:request_prefill_time_seconds and vllm:request_prefill_kv_computed_tokens); it replaces the "
+            "starting estimate and raises a borrowed one until the replica has its own fit "
+            "(kvrouter_kv_engine_prefill_tokens_per_s shows it). false: the router's own observations only."
+        ),
+    )
     kv_cache_weight: float | None = Field(
         default=None,
         ge=0,

@@ -154,6 +154,14 @@ class RouterMetrics:
             ["replica"],
             registry=registry,
         )
+        self.engine_metrics_fallbacks = Counter(
+            "kvrouter_kv_engine_metrics_fallbacks",
+            "Scrapes whose prefill histograms kv_aware could not use, by replica and reason (missing: not exported, "
+            "invalid: a value that is not a finite count or a sum that went down while the count rose, reset: the "
+            "count went down, the engine restarted); the replica is priced from the router's own view meanwhile.",
+            ["replica", "reason"],
+            registry=registry,
+        )
         self.probe_failures = Counter(
             "kvrouter_health_probe_failures",
             "Failed active /health probes.",
@@ -245,10 +253,17 @@ class CostSource(Protocol):
 class CalibrationCollector(Collector):
     """kv_aware's per-replica costs and cache weight, read from the policy when /metrics is scraped."""
 
-    def __init__(self, source: CostSource, replicas: Callable[[], Iterable[tuple[str, float]]]) -> None:
+    def __init__(
+        self,
+        source: CostSource,
+        replicas: Callable[[], Iterable[tuple[str, float]]],
+        engine_rates: Callable[[], Mapping[str, float]] | None = None,
+    ) -> None:
         self.source = source
         self.replicas = replicas
         """The fleet's (replica, weight) pairs now."""
+        self.engine_rates = engine_rates
+        """The engines' /metrics lower bounds on the prefill rate, per replica (None: that source is off)."""
 
     def collect(self) -> Iterator[Metric]:
         costs = sorted(self.source.priced_costs(self.replicas()).items())
@@ -275,6 +290,27 @@ class CalibrationCollector(Collector):
             for replica, replica_costs in costs:
                 family.add_metric([replica], value(replica_costs))
             yield family
+        sources = GaugeMetricFamily(
+            "kvrouter_kv_calibrated_source",
+            "Where each cost kv_aware prices the replica with comes from (1 for the source in use): fit (its own "
+            "requests), peers, fleet (pooled), start, engine (its /metrics lower bound) or pinned.",
+            labels=["replica", "cost", "source"],
+        )
+        for replica, replica_costs in costs:
+            sources.add_metric([replica, "prefill_tokens_per_s", replica_costs.rate_source], 1.0)
+            sources.add_metric([replica, "pass_seconds", replica_costs.source], 1.0)
+            sources.add_metric([replica, "decode_seconds_per_request", replica_costs.source], 1.0)
+        yield sources
+        if self.engine_rates is not None:
+            engine = GaugeMetricFamily(
+                "kvrouter_kv_engine_prefill_tokens_per_s",
+                "Per replica (label replica), the prefill rate its engine /metrics prove it at least has "
+                "(prefill-time and computed-token histograms); absent while it shows none.",
+                labels=["replica"],
+            )
+            for replica, rate in sorted(self.engine_rates().items()):
+                engine.add_metric([replica], rate)
+            yield engine
         weight = GaugeMetricFamily(
             "kvrouter_kv_cache_weight", "Worth of a cached token in prefill time saved (derived or pinned)."
         )

@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from kvrouter.config import load_fleet
+from kvrouter.routing.engine_rates import EngineTotals, parse_engine_totals
 from kvrouter.sim.cli import free_port_run
 from kvrouter.sim.profiles import build_engine, get_profile
 from kvrouter.sim.server import ReplicaSettings, build_replica_app
@@ -261,3 +262,23 @@ async def test_cli_serves_replicas_and_writes_a_fleet_file(tmp_path: Path) -> No
     finally:
         process.terminate()
         await asyncio.wait_for(process.wait(), 10)
+
+
+async def test_metrics_carry_the_prefill_histograms_kv_aware_reads(client: Client) -> None:
+    """Per request at its first token, like vLLM: queue time, prefill time (scheduled to first token, simulated
+    seconds) and the prompt tokens it computed; the router's engine source parses them."""
+    profile = get_profile("cpu-tiny")
+    prompt = list(range(300, 1300))
+    for _ in range(2):  # the second finds all but the last partial block cached
+        reply = await (await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})).json()
+    cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (len(prompt) - 1) // BLOCK * BLOCK
+    text = await (await client.get("/metrics")).text()
+    totals = parse_engine_totals(text)
+    assert isinstance(totals, EngineTotals)
+    assert totals.prefill_requests == 2
+    assert totals.computed_tokens == len(prompt) + (len(prompt) - cached)
+    first_pass = profile.step_time(len(prompt), 0, len(prompt), len(prompt) * len(prompt) / 2)
+    assert 0.9 * first_pass <= totals.prefill_s <= 3.0 * first_pass + 0.5, (totals.prefill_s, first_pass)
+    assert await metric(client, "vllm:request_queue_time_seconds_count") == 2
+    assert await metric(client, "vllm:time_to_first_token_seconds_sum") >= totals.prefill_s

@@ -26,6 +26,8 @@ Calibration (`calibrate`, on by default). R, p and d are learnt per replica from
 (`kvrouter.routing.calibration`: a robust fit of this very estimate to each replica's last few hundred requests,
 fed through `first_token`); the configured values are only the starting estimate (R x the replica's weight), used
 until a replica has a couple of dozen observations. Off, the configured values are used as they are (pinned).
+The engines' own /metrics add a lower bound on each replica's prefill rate (`set_engine_rate`, from
+`kvrouter.routing.engine_rates`; `kv_engine_metrics`), used until the replica has its own fit.
 
 Cache weight. A cached token is worth more than the prefill time it saves now: routing a request away from its
 prefix computes that prefix a second time and stores a duplicate, which displaces as many tokens of other content
@@ -73,6 +75,8 @@ Knobs (`Settings` fields, `KVROUTER_KV_*`), defaults in brackets; none comes fro
 - `kv_decode_pass_s` [0.01]: starting estimate of the fixed cost of one engine pass.
 - `kv_decode_s_per_request` [0.0005]: starting estimate of the extra pass time per decoding request.
 - `kv_calibrate` [on]: learn the three above per replica; off pins them.
+- `kv_engine_metrics` [on]: with calibration, each engine's /metrics bound its prefill rate from below until the
+  replica has its own fit (read by the app's scrape loop, not by this policy).
 - `kv_batch_tokens` [8192]: prompt tokens one engine pass computes (vLLM's max_num_batched_tokens default).
 - `kv_cache_weight` [derived: 1 + reuse]: how much a cached token is worth in prefill time saved.
 - `kv_waiting_request_tokens` [0]: prompt tokens assumed for each request the engine reports waiting beyond the
@@ -205,7 +209,22 @@ class KvAwarePolicy:
         if self.calibration is not None:
             return self.calibration.costs(replica, weight)
         start = self.start_costs
-        return ReplicaCosts(start.prefill_tokens_per_s * weight, start.pass_s, start.decode_s_per_request)
+        return ReplicaCosts(
+            start.prefill_tokens_per_s * weight,
+            start.pass_s,
+            start.decode_s_per_request,
+            source="pinned",
+            rate_source="pinned",
+        )
+
+    def set_engine_rate(self, replica: ReplicaName, rate: float | None) -> None:
+        """The replica's prefill rate lower bound from its engine's /metrics (ignored when the costs are pinned)."""
+        if self.calibration is not None:
+            self.calibration.set_engine_rate(replica, rate)
+
+    def engine_rates(self) -> dict[str, float]:
+        """The engine-side lower bounds in use, per replica (for the metrics)."""
+        return {} if self.calibration is None else {str(r): v for r, v in self.calibration.engine_rates().items()}
 
     def priced_costs(self, replicas: Iterable[tuple[str, float]]) -> dict[str, ReplicaCosts]:
         """The costs of each (replica, weight) now (for the metrics)."""

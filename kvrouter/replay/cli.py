@@ -101,6 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="The router sees first tokens only when answers end (non-streaming, assemble_non_streaming off).",
     )
+    parser.add_argument(
+        "--engine-metrics",
+        action="store_true",
+        help="Feed the engines' prefill histograms to kv_aware's engine source (kv_engine_metrics, as live).",
+    )
     parser.add_argument("--routers", type=int, default=1, help="Router instances in front of the engines.")
     parser.add_argument("--spread", default="round_robin", help="How arrivals reach the routers: round_robin, random.")
     parser.add_argument(
@@ -383,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
         session_ttl_s=settings.session_ttl_s,
         session_max=settings.session_max,
         device=profile.device_sharing(),
+        engine_metrics=args.engine_metrics and settings.kv_engine_metrics,
     )
     floors = None if args.no_floor else floor_ttfts(trace.requests, prompts, engine_factory)
 

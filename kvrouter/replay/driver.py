@@ -53,10 +53,12 @@ from kvrouter.flow.settings import FlowConfig
 from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import IndexWriter
 from kvrouter.policies.base import Policy
+from kvrouter.replay.engine_metrics import PrefillTotals
 from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog, SizedPrompt
 from kvrouter.replay.routers import LoadReport, RouterInstance, RouterSpread, Spreader, deliver
 from kvrouter.replay.trace import TraceRequest
 from kvrouter.routing.disagg import DisaggSettings, PdPlan, PdPlanner, is_disaggregated
+from kvrouter.routing.engine_rates import EngineRates
 from kvrouter.routing.feedback import FeedbackLookup
 from kvrouter.routing.lifecycle import Routed, tell_cleared
 from kvrouter.routing.load import EngineGauges, LoadBook, Ticket
@@ -124,6 +126,9 @@ class ReplayOptions:
     """What a decode leg's KV transfer costs (the profile's); None: nothing."""
     device: DeviceSharing = field(default_factory=DeviceSharing)
     """How the engines share GPUs (the profile's `device_sharing()`); the default gives each its own."""
+    engine_metrics: bool = False
+    """Feed each scrape's prefill totals (`kvrouter.replay.engine_metrics`) to the policies' engine source, as the
+    live router does with `kv_engine_metrics`; off by default, so the replay figures are the router's view alone."""
 
 
 @dataclass(slots=True)
@@ -259,6 +264,8 @@ class Replay:
         self.event_listeners = first.event_listeners
         self.policy = policy
         self.router = first.router
+        self.prefill_totals = PrefillTotals() if self.options.engine_metrics else None
+        self._engine_rates = [EngineRates() for _ in self.instances] if self.options.engine_metrics else []
         self._spreader = Spreader(spread)
         self._instance_of: dict[str, RouterInstance] = {}
         self._removals_lost = 0.0
@@ -657,6 +664,12 @@ class Replay:
             return
         result = engine.model.step(self.now)
         engine.passes += 1
+        totals = self.prefill_totals
+        if totals is not None:
+            for request_id, cached in result.cached_tokens.items():
+                record = self._records.get(request_id)
+                if record is not None and request_id not in self._legs:
+                    totals.admitted(engine.name, request_id, self.now, record.prompt_tokens - cached)
         if result.duration <= 0 and not (result.first_tokens or result.tokens or result.finished):
             return  # nothing schedulable: stay idle until the next arrival
         engine.busy = True
@@ -688,6 +701,11 @@ class Replay:
         records = self._records
         # In the order the live proxy sees them: first token; then, at the end, the cached-token report and finish.
         legs = self._legs
+        if self.prefill_totals is not None:
+            for request_id in result.first_tokens:
+                self.prefill_totals.first_token(request_id, now)
+            for request_id in result.finished:
+                self.prefill_totals.finished(request_id)
         for request_id in result.first_tokens:
             routed = self._routed.get(request_id)
             if routed is None:
@@ -843,6 +861,13 @@ class Replay:
             sample = EngineGauges(gauges.num_waiting, gauges.num_running, gauges.kv_usage)
             for instance in self.instances:
                 instance.load.observe_engine(engine.name, sample)
+            if self.prefill_totals is not None:
+                totals = self.prefill_totals.totals(engine.name)
+                for instance, rates in zip(self.instances, self._engine_rates, strict=True):
+                    rates.observe(engine.name, totals)
+                    sink = getattr(instance.router.policy, "set_engine_rate", None)
+                    if sink is not None:
+                        sink(engine.name, rates.rate(engine.name))
         self._pump()
         if self._unfinished > 0:
             self._push(self.now + self.options.scrape_interval_s, _SCRAPE, None)

@@ -30,11 +30,17 @@ steady while the window holds no request that shows it (no short request, nothin
 fade out at the first refits. The window makes it follow a replica that restarts on other hardware within
 `window` requests. `forget` drops a replica.
 
-The engines' own /metrics are not a source yet. vLLM 0.32 exports per-request `vllm:request_prefill_time_seconds`,
-`vllm:request_prefill_kv_computed_tokens`, `vllm:time_to_first_token_seconds`, `vllm:request_queue_time_seconds`
-and per-pass `vllm:iteration_tokens_total` histograms, but no pass duration: prefill-time sums overlap wherever a
-pass batches several prefills, so their ratio understates the rate under load, while the router's own view (TTFT
-against the work it routed) prices exactly what the estimate predicts, on any engine.
+The engines' own /metrics are a second, weaker source for the prefill rate (`set_engine_rate`, fed from
+`kvrouter.routing.engine_rates`): vLLM's per-request prefill-time and computed-token histograms give a rate the
+replica has at least (their sums overlap where a pass batches several prefills, so the ratio understates the rate
+under load; it never overstates it). A lower bound is weighted as one: it never overrides the replica's own fit
+(the router's view, TTFT against the work it routed, prices exactly what the estimate predicts, on any engine);
+before that fit it replaces the configured starting guess (the replica's own history beats a guess made without
+it: a router that starts in front of a warm fleet prices each replica from its engine's history at the first
+scrapes) and raises a borrowed estimate (its peers' median, the pooled fit) that lies below it. It also feeds the
+first fit's prior through those values. No pass duration is exported, so the pass and decode costs have no
+engine source. Every `ReplicaCosts` names where its values came from (`source`, `rate_source`: fit, peers, fleet,
+start, engine).
 
 Pure and synchronous; no clock (observations carry their TTFT). Knobs (`CalibrationConfig`): `window` [256],
 `min_samples` [24], `refit_every` [16], `prior_samples` [1], `iterations` [10].
@@ -66,6 +72,10 @@ class ReplicaCosts:
     """Extra pass time per request decoding on the replica."""
     samples: int = 0
     """Observations behind these values (0: the starting estimate)."""
+    source: str = "start"
+    """Where the pass and decode costs come from: fit (the replica's own), peers, fleet (pooled), start, pinned."""
+    rate_source: str = "start"
+    """Where the prefill rate comes from: as `source`, or engine (its /metrics lower bound raised or replaced it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,13 +127,23 @@ class CostCalibrator:
     _replicas: dict[ReplicaName, _Replica] = field(default_factory=dict)
     _fleet: _Replica | None = None
     """Every replica's observations pooled (work per unit of weight): the first fit, before any replica has its own."""
+    _engine_rates: dict[ReplicaName, float] = field(default_factory=dict)
+    """Per replica, the prefill rate its engine's /metrics prove it at least has (`set_engine_rate`)."""
 
     def costs(self, replica: ReplicaName, weight: float = 1.0) -> ReplicaCosts:
         """The replica's current costs: its own fit, else its peers' (median), else the fleet's pooled fit, else
-        the start; `weight` (replicas.yaml) scales the borrowed prefill rate only."""
+        the start; `weight` (replicas.yaml) scales the borrowed prefill rate only. Short of its own fit, the
+        engine's lower bound (`set_engine_rate`) replaces the start's rate and raises a borrowed one below it."""
         state = self._replicas.get(replica)
         if state is not None and state.costs is not None:
             return state.costs
+        borrowed = self._borrowed(weight)
+        engine = self._engine_rates.get(replica)
+        if engine is None or (borrowed.source != "start" and engine <= borrowed.prefill_tokens_per_s):
+            return borrowed
+        return replace(borrowed, prefill_tokens_per_s=engine, rate_source="engine")
+
+    def _borrowed(self, weight: float) -> ReplicaCosts:
         fitted = [(other.costs, other.weight) for other in self._replicas.values() if other.costs is not None]
         if fitted:
             # Like its peers until it shows otherwise: a pessimistic start would keep a new replica idle.
@@ -131,12 +151,31 @@ class CostCalibrator:
                 _median([c.prefill_tokens_per_s / w for c, w in fitted]) * weight,
                 _median([c.pass_s for c, _ in fitted]),
                 _median([c.decode_s_per_request for c, _ in fitted]),
+                source="peers",
+                rate_source="peers",
             )
         pooled = self._fleet.costs if self._fleet is not None else None
         base = self.start if pooled is None else pooled
         if weight == 1.0 and pooled is None:
             return base
-        return ReplicaCosts(base.prefill_tokens_per_s * weight, base.pass_s, base.decode_s_per_request)
+        source = "start" if pooled is None else "fleet"
+        return ReplicaCosts(
+            base.prefill_tokens_per_s * weight,
+            base.pass_s,
+            base.decode_s_per_request,
+            source=source,
+            rate_source=source,
+        )
+
+    def set_engine_rate(self, replica: ReplicaName, rate: float | None) -> None:
+        """The replica's engine-side lower bound on its prefill rate (None: the engine shows none, or no longer)."""
+        if rate is None or not math.isfinite(rate) or rate <= 0:
+            self._engine_rates.pop(replica, None)
+        else:
+            self._engine_rates[replica] = min(_MAX_RATE, max(_MIN_RATE, rate))
+
+    def engine_rates(self) -> dict[ReplicaName, float]:
+        return dict(self._engine_rates)
 
     def replicas(self) -> list[ReplicaName]:
         return list(self._replicas)
@@ -176,11 +215,17 @@ class CostCalibrator:
                 self.rejected_fits += 1
             else:
                 state.costs = ReplicaCosts(
-                    fitted.prefill_tokens_per_s, fitted.pass_s, fitted.decode_s_per_request, state.seen
+                    fitted.prefill_tokens_per_s,
+                    fitted.pass_s,
+                    fitted.decode_s_per_request,
+                    state.seen,
+                    source="fit",
+                    rate_source="fit",
                 )
 
     def forget(self, replica: ReplicaName) -> None:
         self._replicas.pop(replica, None)
+        self._engine_rates.pop(replica, None)
 
 
 def _median(values: Sequence[float]) -> float:

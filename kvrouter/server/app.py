@@ -36,6 +36,7 @@ from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import CountingIndexWriter
 from kvrouter.metrics import CalibrationCollector, CostSource, RouterMetrics, SessionCollector
 from kvrouter.policies import build_policy
+from kvrouter.policies.kv_aware import KvAwarePolicy
 from kvrouter.redisplane.loadplane import LoadPlaneCollector, RedisLoadPlane, build_load_plane, instance_name
 from kvrouter.redisplane.wiring import build_follower
 from kvrouter.routing.disagg import DisaggSettings, PdPlanner
@@ -48,6 +49,7 @@ from kvrouter.routing.sessions import SessionTable
 from kvrouter.routing.sharing import LoadShare, ShareLimits
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
 from kvrouter.server.disagg_legs import PdLegs
+from kvrouter.server.engine_costs import EngineCostFeed
 from kvrouter.server.flow_gate import FlowGate
 from kvrouter.server.local_loadplane import LocalLoadPlane
 from kvrouter.server.proxy import Proxy
@@ -233,12 +235,20 @@ def create_app(
         clock=clock,
     )
     cost_source = policy if isinstance(policy, CostSource) else None
+    engine_rates = None
+    engine_feed = None
+    if isinstance(policy, KvAwarePolicy) and policy.calibration is not None and settings.kv_engine_metrics:
+        # The engines' own /metrics: a lower bound on each replica's prefill rate (kvrouter/routing/engine_rates.py).
+        engine_feed = replicas.on_engine_totals = EngineCostFeed(policy, metrics)
+        engine_rates = policy.engine_rates
     if cost_source is not None:
-        collector = CalibrationCollector(cost_source, lambda: [(r.name, r.route.weight) for r in replicas])
+        collector = CalibrationCollector(
+            cost_source, lambda: [(r.name, r.route.weight) for r in replicas], engine_rates=engine_rates
+        )
         metrics.registry.register(collector)
     saturation = SaturationConfig(settings.kv_prefill_tokens_per_s, settings.saturation_queue_s)
     metrics.registry.register(QualityCollector(quality, replicas, load, saturation, costs=cost_source))
-    forget = forget_replica(prefix.index, prefix.event_listeners, clock, sessions)
+    forget = forget_replica(prefix.index, prefix.event_listeners, clock, sessions, engine_feed)
     replicas.on_gone = forget
     flow = fleet.flow
     if settings.flow_control is not None:
@@ -321,9 +331,11 @@ def forget_replica(
     listeners: Sequence[EventListener],
     clock: Callable[[], float],
     sessions: SessionTable | None = None,
+    engine_feed: EngineCostFeed | None = None,
 ) -> Callable[[ReplicaName], None]:
     """A replica's cache is gone (it refused a connection: its engine is down; or it left the fleet): its blocks
-    leave the index, every overlay forgets what it learnt about it and its sessions are free to go elsewhere."""
+    leave the index, every overlay forgets what it learnt about it, its sessions are free to go elsewhere and its
+    engine's prefill history no longer counts (an engine that comes back starts its totals again)."""
 
     def forget(replica: ReplicaName) -> None:
         if index is not None:
@@ -335,6 +347,8 @@ def forget_replica(
         tell_cleared(listeners, replica, clock())
         if sessions is not None:
             sessions.forget(replica)
+        if engine_feed is not None:
+            engine_feed.forget(replica)
 
     return forget
 

@@ -31,7 +31,8 @@ failed probes stay closable by a passing probe, so a restarted replica comes bac
 `ReplicaSet.run_probes` and `ReplicaSet.run_scrapes` are the background loops (started from the app factory's
 cleanup context). The scrape reads vLLM's Prometheus text once per `metrics_interval_s` and feeds
 `LoadBook.observe_engine` with waiting and running requests summed over the `engine` label (a data-parallel
-replica reports one series per engine) and KV-cache usage averaged over engines (it is a fraction per engine).
+replica reports one series per engine) and KV-cache usage averaged over engines (it is a fraction per engine),
+and `on_engine_totals` (when set) with the prefill histograms' totals (kv_aware's engine-side rate bound).
 Probe and scrape bodies are read incrementally up to `max_scrape_bytes` and redirects are never followed.
 """
 
@@ -47,6 +48,7 @@ import aiohttp
 
 from kvrouter.config import FleetConfig, ReplicaConfig, Settings
 from kvrouter.metrics import RouterMetrics
+from kvrouter.routing.engine_rates import EngineTotals, Fallback, parse_engine_totals
 from kvrouter.routing.load import EngineGauges, LoadBook
 from kvrouter.routing.router import Route
 from kvrouter.server.streaming import BodyTooLarge, read_capped
@@ -200,6 +202,9 @@ class ReplicaSet:
         self.on_gone: Callable[[ReplicaName], None] | None = None
         """Called when a replica refuses a connection: nothing listens at its address, so its process and the
         KV cache it held are gone (the app drops the replica's prefix-index entries)."""
+        self.on_engine_totals: Callable[[ReplicaName, EngineTotals | Fallback], None] | None = None
+        """Called with every scraped /metrics body's prefill totals, or why there are none (kv_aware's engine
+        source, `kvrouter.server.engine_costs`)."""
 
     def __iter__(self) -> Iterator[ReplicaState]:
         return iter(self.replicas)
@@ -298,6 +303,8 @@ class ReplicaSet:
                     text = body.decode()
                     gauges = parse_engine_gauges(text)
                     self._note_engine_tokens(replica, engine_token_total(text))
+                    if self.on_engine_totals is not None:
+                        self.on_engine_totals(replica.name, parse_engine_totals(text))
         except BodyTooLarge:
             self.reject(replica, "scrape_too_large")
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):

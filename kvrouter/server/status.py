@@ -14,6 +14,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvrouter.metrics import CostSource
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
 from kvrouter.routing.adapters import unavailable as adapter_unavailable
 from kvrouter.server.streaming import BodyTooLarge, read_capped
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from kvrouter.config import Settings
     from kvrouter.flow.classes import FlowClass
     from kvrouter.metrics import RouterMetrics
+    from kvrouter.policies.base import Decision
     from kvrouter.routing.load import LoadBook
     from kvrouter.routing.router import Router
     from kvrouter.server.disagg_legs import PdLegs
@@ -171,6 +173,7 @@ class StatusEndpoints:
                 "replicas": reasons,
             }
         sessions, clock = self.proxy.router.sessions, self.proxy.router.clock
+        sources = _cost_sources(self.proxy.router.policy, decision)
         legs = self.proxy.legs
         pd_view: dict[str, Any] | None = None
         if legs is not None and legs.active:
@@ -207,6 +210,7 @@ class StatusEndpoints:
                         "cached_tokens": c.cached_tokens,
                         "score": c.score,
                         **{key: value for key, value in c.breakdown.items() if key not in _CANDIDATE_FIELDS},
+                        **({} if c.replica not in sources else {"cost_source": sources[c.replica]}),
                     }
                     for c in decision.candidates
                 ],
@@ -245,3 +249,19 @@ class StatusEndpoints:
         except (ValueError, RecursionError):
             return "chat"  # parse_request reports the JSON problem (too deep a nesting included) as a 400
         return "completion" if isinstance(body, dict) and "prompt" in body and "messages" not in body else "chat"
+
+
+def _cost_sources(policy: object, decision: Decision) -> dict[str, dict[str, str]]:
+    """Where each candidate's costs came from (kv_aware: fit, peers, fleet, start, engine or pinned), read right
+    after the decision (nothing awaited in between, so they are the ones it priced with)."""
+    if not isinstance(policy, CostSource):
+        return {}
+    weights = [(c.replica, c.breakdown.get("weight", 1.0)) for c in decision.candidates]
+    return {
+        replica: {
+            "prefill_tokens_per_s": costs.rate_source,
+            "pass_fixed_s": costs.source,
+            "decode_s_per_request": costs.source,
+        }
+        for replica, costs in policy.priced_costs(weights).items()
+    }

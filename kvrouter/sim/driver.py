@@ -37,6 +37,8 @@ class Tracked:
     index: int
     sink: asyncio.Queue[tuple[int, str]]
     arrived: float
+    scheduled: float | None = None
+    """Start of the pass that admitted it (its cached tokens were reported then): the end of its queue time."""
     first_token: float | None = None
     emitted: int = 0
     cached_tokens: int = 0
@@ -104,6 +106,7 @@ class EngineDriver:
             # Oversleeping (timer slack, a busy machine) is made up on later passes, up to `catch_up_s` of lag:
             # otherwise every late wake-up would slow simulated time down for good.
             deadline = max(deadline, self._clock() - self.catch_up_s)
+            started = self._clock()
             result = self.engine.step(self.sim_time())
             if self.device is None:
                 deadline += result.duration / self.time_scale
@@ -112,11 +115,12 @@ class EngineDriver:
             else:
                 deadline = await self.device.run_pass(result.duration / self.time_scale, deadline)
             try:
-                self._deliver(result)
+                self._deliver(result, started)
             except Exception:  # a delivery bug must not stop the replica
                 log.exception("delivering an engine pass failed")
 
-    def _deliver(self, result: StepResult) -> None:
+    def _deliver(self, result: StepResult, started: float | None = None) -> None:
+        """What the pass that began at `started` (real clock; None: now) produced."""
         now = self._clock()
         tracked = self._tracked
         if self.publisher is not None and result.events:
@@ -125,6 +129,8 @@ class EngineDriver:
             item = tracked.get(rid)
             if item is not None:
                 item.cached_tokens = cached
+                if item.scheduled is None:
+                    item.scheduled = now if started is None else started
         metrics = self.metrics
         if metrics is not None and result.preempted:
             metrics.preemptions.inc(len(result.preempted))
@@ -147,5 +153,12 @@ class EngineDriver:
                 continue
             item.finished = True
             if metrics is not None:
-                metrics.e2e.observe((now - item.arrived) * self.time_scale)
+                scale = self.time_scale
+                metrics.e2e.observe((now - item.arrived) * scale)
+                # Like vLLM, at the end: queue (arrival to first scheduling), prefill (to the first token).
+                scheduled = item.arrived if item.scheduled is None else item.scheduled
+                first = now if item.first_token is None else item.first_token
+                metrics.queue_time.observe(max(0.0, scheduled - item.arrived) * scale)
+                metrics.prefill_time.observe(max(0.0, first - scheduled) * scale)
+                metrics.prefill_computed_tokens.observe(max(0, item.request.prompt_len - item.cached_tokens))
             item.sink.put_nowait((item.index, DONE))

@@ -3,7 +3,9 @@
 Each replica has its own `CollectorRegistry` (several replicas share one process). Engine-side values (running,
 waiting, KV usage, prefix-cache query and hit counters) are read from the engine model at scrape time, so they
 are never stale; latency histograms are observed by the driver, in simulated seconds (wall time x time scale),
-with vLLM's bucket bounds.
+with vLLM's bucket bounds — TTFT at the first token; e2e and, as vLLM does when a request finishes, its queue time,
+its prefill time (from the pass that first scheduled it to its first token) and the prompt tokens it computed,
+which kv_aware's engine source reads (kvrouter/routing/engine_rates.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
     960.0, 1920.0, 7680.0,
 )  # fmt: skip
+
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
+"""vLLM's 1-2-5 buckets for token counts (up to 5M, past any model length)."""
 
 
 class _EngineCollector(Collector):
@@ -73,6 +78,29 @@ class ReplicaMetrics:
             "Histogram of e2e request latency in seconds.",
             names,
             buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        # Per request when it finishes, as vLLM's v1 loggers observe them: the time it waited to be scheduled, the
+        # time from being scheduled to its first token (its prefill passes) and the prompt tokens it computed.
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            names,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            names,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        self.prefill_computed_tokens = Histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            names,
+            buckets=TOKEN_BUCKETS,
             registry=self.registry,
         ).labels(**labels)
         self.prompt_tokens = Counter(
