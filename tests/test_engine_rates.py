@@ -113,6 +113,36 @@ def test_a_fractional_request_count_is_invalid(captured: str) -> None:
     assert parse_engine_totals(advanced(captured, 0.5, 9.5, 1504)) is Fallback.INVALID
 
 
+H200_SCRAPES = Path(__file__).parent / "fixtures" / "vllm-metrics-h200"
+
+
+@pytest.mark.parametrize("replica", range(4))
+def test_real_gpu_scrapes_give_a_lower_bound_of_the_replicas_rate(replica: int) -> None:
+    """vLLM 0.26 on the H200 (tests/fixtures/vllm-metrics-h200): one 12 req/s row between the two scrapes."""
+    before = parse_engine_totals((H200_SCRAPES / f"vllm-{replica}.before.txt").read_text())
+    after = parse_engine_totals((H200_SCRAPES / f"vllm-{replica}.after.txt").read_text())
+    assert isinstance(before, EngineTotals) and isinstance(after, EngineTotals)
+    rates = EngineRates()
+    assert rates.observe(R0, before) is None
+    assert rates.observe(R0, after) is None
+    assert 69 <= after.prefill_requests - before.prefill_requests <= 106
+    row = EngineRates()  # the row alone: what the two scrapes bracket, as if it were an engine's whole history
+    row.observe(
+        R0,
+        EngineTotals(
+            after.prefill_s - before.prefill_s,
+            after.prefill_requests - before.prefill_requests,
+            after.computed_tokens - before.computed_tokens,
+        ),
+    )
+    row_rate = row.rate(R0)
+    assert row_rate is not None and 4_000 < row_rate < 7_000
+    # Prefills that share a pass overlap in the time sum: under this load the bound sits well below the ~15,200
+    # tokens/s one replica prefills at light load on that GPU (docs/benchmarks.md, "Real GPUs"), never above it.
+    history = rates.rate(R0)
+    assert history is not None and history < 15_200
+
+
 # --- the estimator ------------------------------------------------------------------------------------------
 
 
