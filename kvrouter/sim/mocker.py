@@ -17,6 +17,10 @@ Its job is to let kvrouter be judged number for number against Dynamo's own offl
 * Out of blocks for a decode token: the newest running request is preempted (blocks freed, back to the head of
   the queue); admitted again, it computes its whole sequence (prompt and output so far) minus what is still
   cached, and reports that cache hit.
+* `policy` "priority" (not in Dynamo 1.6.1's mocker: vLLM's `--scheduling-policy priority`, as
+  `kvrouter.sim.waiting` describes it): the waiting queue is ordered by the request's `priority`, then arrival,
+  and a preempted request re-enters by that order; the request preempted for a decode token is the running one
+  with the largest (priority, arrival). "fcfs" (the default) is the mocker as above.
 * Time: prefill_ms = a*T^2 + b*T + c over T uncached tokens in the pass (Dynamo's integer means:
   T = n*(floor(sum prompt/n) - floor(sum prefix/n)) over the n prefilling requests), decode_ms =
   max(1, d2*u^2 + d1*u + d0) with u = (sequence lengths of requests already decoding) / (num_blocks*block_size),
@@ -33,7 +37,7 @@ each one next needs a block or finishes, and the sum of their lengths moves by t
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvrouter.sim.model import (
@@ -42,9 +46,11 @@ from kvrouter.sim.model import (
     EngineRequest,
     KvEvent,
     RemovedBlocks,
+    SchedulingPolicy,
     StepResult,
     StoredBlocks,
 )
+from kvrouter.sim.waiting import priority_victim, waiting_queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,8 @@ class MockerConfig:
     decode_constant: float = 5.74
     speedup: float = 1.0
     """Divides every pass's duration (Dynamo's speedup_ratio)."""
+    policy: SchedulingPolicy = "fcfs"
+    """vLLM's --scheduling-policy (see the module docstring); Dynamo 1.6.1's mocker is fcfs."""
 
 
 @dataclass(slots=True, eq=False)
@@ -93,6 +101,10 @@ class _Request:
         if not self.decoding:
             return self.generated
         return self.generated + pass_number - self.base_pass
+
+
+def _spec_of(state: _Request) -> EngineRequest:
+    return state.spec
 
 
 @dataclass(slots=True)
@@ -188,7 +200,8 @@ class DynamoMockerEngine:
         self.max_num_seqs = self.config.max_seqs
         self._pool = _BlockPool(self.config.num_blocks, self.config.block_size)
         self._requests: dict[str, _Request] = {}
-        self._waiting: deque[_Request] = deque()
+        self._waiting = waiting_queue(self.config.policy, _spec_of)
+        self._by_priority = self.config.policy == "priority"
         self._running: dict[str, _Request] = {}
         """Admission order, decoders and prefills together."""
         self._decoders: dict[str, _Request] = {}
@@ -213,7 +226,7 @@ class DynamoMockerEngine:
             raise ValueError("max_tokens must be at least 1")
         state = _Request(request, list(request.block_hashes))
         self._requests[request.request_id] = state
-        self._waiting.append(state)
+        self._waiting.add(state)
 
     def abort(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -287,7 +300,10 @@ class DynamoMockerEngine:
             if not state.decoding:
                 continue  # preempted earlier in this pass
             while pool.free() <= 0:
-                victim = next(reversed(self._running.values()))
+                if self._by_priority:
+                    victim = priority_victim(self._running.values(), _spec_of)
+                else:
+                    victim = next(reversed(self._running.values()))
                 self._preempt(victim, result)
                 preempted = True
                 if victim is state:
@@ -332,7 +348,7 @@ class DynamoMockerEngine:
     def _preempt(self, state: _Request, result: StepResult) -> None:
         self._leave_running(state)
         self._release(state)
-        self._waiting.appendleft(state)
+        self._waiting.put_back(state)
         result.preempted.append(state.spec.request_id)
 
     def _schedule_prefill(self, state: _Request, chunk: int, prefills: list[tuple[_Request, int]]) -> None:
@@ -353,7 +369,7 @@ class DynamoMockerEngine:
         waiting = self._waiting
         max_seqs = self.config.max_seqs
         while waiting and budget > 0 and len(self._running) < max_seqs:
-            state = waiting[0]
+            state = waiting.head()
             spec = state.spec
             tokens = spec.prompt_len + state.generated
             limit = (tokens - 1) // size
@@ -370,7 +386,7 @@ class DynamoMockerEngine:
             needed = -(-tokens // size)
             if needed - in_use > pool.free():
                 break
-            waiting.popleft()
+            waiting.take()
             pool.hold(state.hashes[:hits])
             pool.reserve(needed - hits)
             state.registered = hits
