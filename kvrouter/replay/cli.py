@@ -368,9 +368,7 @@ def run(args: argparse.Namespace) -> int:
     engine_factory: EngineFactory = factory
     engines: EngineFactory | list[EngineFactory] = engine_factory
     if speeds is not None:
-        engines = [
-            functools.partial(build_engine, profile, speed=speed, scheduling_policy=policy) for speed in speeds
-        ]
+        engines = [functools.partial(build_engine, profile, speed=speed, scheduling_policy=policy) for speed in speeds]
     started = time.perf_counter()
     block_size = engine_factory().block_size
     catalog = PromptCatalog(
