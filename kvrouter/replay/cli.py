@@ -360,15 +360,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrouter replay: {error}", file=sys.stderr)
         return 2
 
-    policy = args.scheduling_policy
+    scheduling = args.scheduling_policy
 
     def factory() -> EngineModel:
-        return build_engine(profile, scheduling_policy=policy)
+        return build_engine(profile, scheduling_policy=scheduling)
 
     engine_factory: EngineFactory = factory
     engines: EngineFactory | list[EngineFactory] = engine_factory
     if speeds is not None:
-        engines = [functools.partial(build_engine, profile, speed=speed, scheduling_policy=policy) for speed in speeds]
+        engines = [
+            functools.partial(build_engine, profile, speed=speed, scheduling_policy=scheduling) for speed in speeds
+        ]
     started = time.perf_counter()
     block_size = engine_factory().block_size
     catalog = PromptCatalog(
@@ -451,6 +453,7 @@ def run(args: argparse.Namespace) -> int:
         "routers": {"count": args.routers, "spread": args.spread, "share_delay_ms": args.share_delay_ms},
         "flow": {"rows": args.flow, "overrides": args.flow_overrides},
         "tenancy": dataclasses.asdict(tenancy),
+        "scheduling_policy": scheduling or profile.scheduling_policy,
         "replicate": args.replicate,
         "drain": {"at_s": args.drain_at, "warm": args.drain_warm},
         "hot_spot": {"share": args.hot_share, "start": args.hot_start, "prefix_blocks": args.hot_prefix_blocks},

@@ -2,9 +2,10 @@
 
 A completion request is read (size-capped), parsed once (`parse_request`), turned into routing facts, and sent to
 the replica the policy picks, its body as the client sent it (inflated) unless `flow.engine_priority` writes the
-header's band into its `priority` (`kvrouter.server.priority_field`). Connect failures, stalls, redirects, 5xx and 429 answers are retried on another
-replica — only while nothing has been written to the client; which of those count against the replica's breaker is
-decided in `kvrouter.server.replicas` (a 5xx that a second replica repeats is the request's, not theirs). The answer
+header's band into its `priority` (`kvrouter.server.priority_field`). Connect failures, stalls, redirects, 5xx and
+429 answers are retried on another replica — only while nothing has been written to the client; which of those
+count against the replica's breaker is decided in `kvrouter.server.replicas` (a 5xx that a second replica repeats
+is the request's, not theirs). The answer
 is relayed as it arrives: SSE chunk by chunk (the first chunk is awaited before anything reaches the client, so a
 stream that never starts is retried too), JSON bodies whole and unchanged up to `max_upstream_body_bytes` (502 past
 it). A non-streaming request of the common shape is fetched as a stream and its JSON answer assembled as the replica
