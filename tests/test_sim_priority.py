@@ -12,7 +12,7 @@ from kvrouter.sim.hashing import label_hashes
 from kvrouter.sim.mocker import DynamoMockerEngine, MockerConfig
 from kvrouter.sim.model import EngineModel, EngineRequest, SchedulingPolicy
 from kvrouter.sim.profiles import build_engine, get_profile
-from kvrouter.sim.waiting import FcfsWaiting, PriorityWaiting, priority_victim, waiting_queue
+from kvrouter.sim.waiting import FcfsWaiting, OrderKey, PriorityWaiting, order_key, priority_victim, waiting_queue
 
 
 class FixedTiming:
@@ -56,26 +56,34 @@ def drain(engine: EngineModel) -> tuple[list[str], dict[str, int]]:
 # -- the queues ----------------------------------------------------------------------------------------------
 
 
-def test_priority_queue_orders_by_priority_then_arrival_then_id() -> None:
-    queue: PriorityWaiting[EngineRequest] = PriorityWaiting(lambda item: item)
-    for item in (
+def received_order(items: list[EngineRequest]) -> Callable[[EngineRequest], OrderKey]:
+    """The key of a queue whose items were received in the order of `items`."""
+    numbers = {item.request_id: number for number, item in enumerate(items)}
+    return lambda item: order_key(item, numbers[item.request_id])
+
+
+def test_priority_queue_orders_by_priority_then_arrival_then_the_order_received() -> None:
+    items = [
         request("late-normal", 16, 1, arrival=2.0),
         request("low", 16, 1, priority=1, arrival=0.0),
         request("b-high", 16, 1, priority=-1, arrival=3.0),
         request("a-high", 16, 1, priority=-1, arrival=3.0),
         request("early-normal", 16, 1, arrival=1.0),
-    ):
+    ]
+    queue: PriorityWaiting[EngineRequest] = PriorityWaiting(received_order(items))
+    for item in items:
         queue.add(item)
-    assert queue.head().request_id == "a-high"
+    assert queue.head().request_id == "b-high"
     order = [queue.take().request_id for _ in range(len(queue))]
-    assert order == ["a-high", "b-high", "early-normal", "late-normal", "low"]
+    # Equal priority and arrival: the one received first (not the smaller id), as vLLM's float clock would order them.
+    assert order == ["b-high", "a-high", "early-normal", "late-normal", "low"]
     assert not queue
 
 
 def test_a_preempted_request_goes_back_by_its_order_under_priority_and_to_the_head_under_fcfs() -> None:
     old_low = request("old-low", 16, 1, priority=1, arrival=0.0)
     new_high = request("new-high", 16, 1, priority=-1, arrival=5.0)
-    prio: PriorityWaiting[EngineRequest] = PriorityWaiting(lambda item: item)
+    prio: PriorityWaiting[EngineRequest] = PriorityWaiting(received_order([new_high, old_low]))
     prio.add(new_high)
     prio.put_back(old_low)
     assert prio.head() is new_high  # not the head: an urgent request stays in front of it
@@ -89,7 +97,7 @@ def test_a_preempted_request_goes_back_by_its_order_under_priority_and_to_the_he
         prio.remove(new_high)
 
 
-def test_the_victim_is_the_least_urgent_then_newest_first_in_running_order() -> None:
+def test_the_victim_is_the_least_urgent_then_newest() -> None:
     running = [
         request("high", 16, 1, priority=-1, arrival=9.0),
         request("low-old", 16, 1, priority=1, arrival=1.0),
@@ -97,12 +105,12 @@ def test_the_victim_is_the_least_urgent_then_newest_first_in_running_order() -> 
         request("low-new-twin", 16, 1, priority=1, arrival=2.0),
         request("normal", 16, 1, arrival=8.0),
     ]
-    assert priority_victim(running, lambda item: item).request_id == "low-new"
+    assert priority_victim(running, received_order(running)).request_id == "low-new-twin"  # received later
 
 
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="scheduling policy"):
-        waiting_queue("lifo", lambda item: item)  # type: ignore[arg-type]
+        waiting_queue("lifo", received_order([]))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="scheduling policy"):
         build_engine(get_profile("cpu-tiny"), scheduling_policy="lifo")  # type: ignore[arg-type]
 

@@ -46,7 +46,7 @@ from kvrouter.sim.model import (
     StepResult,
     StoredBlocks,
 )
-from kvrouter.sim.waiting import priority_victim, waiting_queue
+from kvrouter.sim.waiting import OrderKey, order_key, priority_victim, waiting_queue
 
 
 class StepTiming(Protocol):
@@ -83,6 +83,7 @@ class _Seq:
         "order",
         "preemptions",
         "prompt_len",
+        "received",
         "reported",
         "request",
         "unhashed",
@@ -102,6 +103,8 @@ class _Seq:
         self.preemptions = 0
         self.reported = False
         self.label_base = -1
+        self.received = 0
+        """The order the engine received it in (ties of the priority policy, `kvrouter.sim.waiting`)."""
         self.order = 0
         """Position in the running batch (admission counter): the order vLLM schedules running requests in."""
         self.base = 0
@@ -126,8 +129,8 @@ class _Seq:
         return head + tuple(outputs[out_start:out_end])
 
 
-def _request_of(seq: _Seq) -> EngineRequest:
-    return seq.request
+def _order_of(seq: _Seq) -> OrderKey:
+    return order_key(seq.request, seq.received)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -147,13 +150,14 @@ class VllmEngine:
         self.cache = PrefixCache(config.num_blocks, config.block_size)
         self.hash_seed = hash_seed
         self._root = root_hash(hash_seed)
-        self._waiting = waiting_queue(config.policy, _request_of)
+        self._waiting = waiting_queue(config.policy, _order_of)
         self._by_priority = config.policy == "priority"
         self._running: list[_Seq] = []
         self._seqs: dict[str, _Seq] = {}
         self._queries = 0
         self._hits = 0
         self._orders = 0
+        self._received = 0
         # Lockstep decoding: while every running request is decoding, a pass only touches the requests that
         # reach a block boundary or finish in it (a heap of those passes); the others' counters catch up lazily.
         self._pass = 0
@@ -177,6 +181,8 @@ class VllmEngine:
                 f"request needs {needed} KV blocks, the cache has {self.config.num_blocks}; it could never run"
             )
         seq = _Seq(request)
+        seq.received = self._received
+        self._received += 1
         self._seqs[request.request_id] = seq
         self._waiting.add(seq)
 
@@ -255,7 +261,7 @@ class VllmEngine:
                 need = -(-end // block_size) - held
                 while need > cache.free_blocks:
                     if self._by_priority:
-                        victim = priority_victim(running, _request_of)
+                        victim = priority_victim(running, _order_of)
                         position = running.index(victim)
                         del running[position]
                         if position < index:  # scheduled earlier in this pass: its tokens go back to the budget

@@ -50,7 +50,7 @@ from kvrouter.sim.model import (
     StepResult,
     StoredBlocks,
 )
-from kvrouter.sim.waiting import priority_victim, waiting_queue
+from kvrouter.sim.waiting import OrderKey, order_key, priority_victim, waiting_queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +96,8 @@ class _Request:
     decoding: bool = False
     counted: bool = False
     """Its first admission went into the prefix-cache counters."""
+    received: int = 0
+    """The order the engine received it in (ties of the priority policy, `kvrouter.sim.waiting`)."""
 
     def generated_at(self, pass_number: int) -> int:
         if not self.decoding:
@@ -103,8 +105,8 @@ class _Request:
         return self.generated + pass_number - self.base_pass
 
 
-def _spec_of(state: _Request) -> EngineRequest:
-    return state.spec
+def _order_of(state: _Request) -> OrderKey:
+    return order_key(state.spec, state.received)
 
 
 @dataclass(slots=True)
@@ -200,7 +202,7 @@ class DynamoMockerEngine:
         self.max_num_seqs = self.config.max_seqs
         self._pool = _BlockPool(self.config.num_blocks, self.config.block_size)
         self._requests: dict[str, _Request] = {}
-        self._waiting = waiting_queue(self.config.policy, _spec_of)
+        self._waiting = waiting_queue(self.config.policy, _order_of)
         self._by_priority = self.config.policy == "priority"
         self._running: dict[str, _Request] = {}
         """Admission order, decoders and prefills together."""
@@ -213,6 +215,7 @@ class DynamoMockerEngine:
         """Decoders' sequence lengths at the start of the current pass."""
         self._pass = 0
         self._orders = 0
+        self._received = 0
         self._output_hashes = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
@@ -224,7 +227,8 @@ class DynamoMockerEngine:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
         if request.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        state = _Request(request, list(request.block_hashes))
+        state = _Request(request, list(request.block_hashes), received=self._received)
+        self._received += 1
         self._requests[request.request_id] = state
         self._waiting.add(state)
 
@@ -301,7 +305,7 @@ class DynamoMockerEngine:
                 continue  # preempted earlier in this pass
             while pool.free() <= 0:
                 if self._by_priority:
-                    victim = priority_victim(self._running.values(), _spec_of)
+                    victim = priority_victim(self._running.values(), _order_of)
                 else:
                     victim = next(reversed(self._running.values()))
                 self._preempt(victim, result)
