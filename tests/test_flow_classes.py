@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvrouter.flow.classes import ANONYMOUS, FlowClassifier
-from kvrouter.flow.settings import FlowConfig, TenantConfig
+from kvrouter.flow.settings import BandConfig, FlowConfig, TenantConfig
 from kvrouter.openai_request import RequestError
 
 CONFIG = FlowConfig(tenants={"team-a": TenantConfig(weight=2.0, api_keys=["sk-team-a"])})
@@ -79,3 +79,23 @@ def test_an_unlisted_tenant_header_is_counted_when_tenants_are_configured(classi
 def test_tenant_from_is_configurable() -> None:
     only_user = FlowClassifier(FlowConfig(tenant_from=["user"]))
     assert only_user.classify({"x-kvrouter-tenant": "team-a"}, "sk", {"user": "bob"}).tenant == "bob"
+
+
+def test_engine_priority_is_the_header_band_for_bodies_without_one() -> None:
+    five = FlowConfig(
+        bands=[BandConfig(name=name) for name in ("urgent", "high", "normal", "low", "batch")],
+        engine_priority=True,
+    )
+    classifier = FlowClassifier(five)
+
+    def written(headers: dict[str, str], body: dict[str, object]) -> int | None:
+        return classifier.classify(headers, "", body).engine_priority
+
+    assert written({"x-kvrouter-priority": "urgent"}, {}) == -2
+    assert written({"x-kvrouter-priority": "batch"}, {}) == 2
+    assert written({"x-kvrouter-priority": "9"}, {}) == 2  # clamped to the last band, written as that band
+    assert written({"x-kvrouter-priority": "normal"}, {}) is None
+    assert written({"x-kvrouter-priority": "high"}, {"priority": 0}) is None  # the client's field stays
+    assert written({}, {"priority": -1}) is None
+    off = FlowClassifier(FlowConfig())
+    assert off.classify({"x-kvrouter-priority": "high"}, "", {}).engine_priority is None

@@ -4,6 +4,8 @@ orders by band, and shows itself in /metrics and /debug (fake vLLM replicas on 1
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +201,47 @@ async def test_debug_route_says_whether_a_request_would_queue(
     assert busy["flow"]["would_queue"] is True and busy["flow"]["band"] == "low"
     assert busy["flow"]["replicas"][replica.name] is not None
     assert (await first).status == 200
+
+
+async def test_engine_priority_writes_the_header_band_into_the_body_only_when_asked(
+    aiohttp_client: Any, fake_replicas: ReplicaFactory, tokenizer_dir: Path
+) -> None:
+    (replica,) = await fake_replicas(1)
+    plain = await start_router(aiohttp_client, [replica], tokenizer_dir)
+    sent = body(0, stream=False)
+    response = await plain.post("/v1/completions", json=sent, headers={"x-kvrouter-priority": "high"})
+    assert response.status == 200
+    await response.read()
+    assert "priority" not in replica.completions_seen()[-1].json()  # off by default: the body goes unchanged
+    client = await start_router(aiohttp_client, [replica], tokenizer_dir, flow={"engine_priority": True})
+    cases = [
+        ({"x-kvrouter-priority": "high"}, {}, -1),
+        ({"x-kvrouter-priority": "LOW"}, {}, 1),
+        ({"x-kvrouter-priority": "-5"}, {}, -1),  # the band's distance from the default, not the header's integer
+        ({"x-kvrouter-priority": "normal"}, {}, None),  # the default band: nothing to write
+        ({"x-kvrouter-priority": "urgent"}, {}, None),  # an unknown band is the default band (counted)
+        ({"x-kvrouter-priority": "high"}, {"priority": 3}, 3),  # the client's own field wins and is kept
+        ({}, {}, None),
+    ]
+    for headers, extra, expected in cases:
+        response = await client.post("/v1/completions", json=body(1, stream=False, **extra), headers=headers)
+        assert response.status == 200, headers
+        await response.read()
+        forwarded = replica.completions_seen()[-1]
+        assert forwarded.json().get("priority") == expected, headers
+        # Nothing else changed (the router asks for a stream to assemble the answer, kvrouter.server.assembly).
+        rest = {key: value for key, value in forwarded.json().items() if key not in ("stream", "stream_options")}
+        assert rest == {
+            key: value
+            for key, value in {**body(1, **extra), "priority": expected}.items()
+            if key != "stream" and value is not None
+        }
+    # A streamed request, a gzip body: the written field reaches the replica in plain JSON.
+    packed = gzip.compress(json.dumps(body(2)).encode())
+    headers = {"x-kvrouter-priority": "high", "Content-Encoding": "gzip", "Content-Type": "application/json"}
+    response = await client.post("/v1/completions", data=packed, headers=headers)
+    assert response.status == 200
+    await response.read()
+    forwarded = replica.completions_seen()[-1]
+    assert forwarded.json() == {**body(2), "priority": -1}
+    assert "content-encoding" not in {name.lower() for name in forwarded.headers}

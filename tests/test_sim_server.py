@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -18,6 +19,7 @@ from aiohttp.test_utils import TestClient
 from kvrouter.config import load_fleet
 from kvrouter.routing.engine_rates import EngineTotals, parse_engine_totals
 from kvrouter.sim.cli import free_port_run
+from kvrouter.sim.engine import VllmEngine
 from kvrouter.sim.profiles import build_engine, get_profile
 from kvrouter.sim.server import ReplicaSettings, build_replica_app
 from kvrouter.sim.textio import SimTokenizer
@@ -265,7 +267,7 @@ async def test_cli_serves_replicas_and_writes_a_fleet_file(tmp_path: Path) -> No
 
 
 async def test_metrics_carry_the_prefill_histograms_kv_aware_reads(client: Client) -> None:
-    """Per request at its first token, like vLLM: queue time, prefill time (scheduled to first token, simulated
+    """Per request when it finishes, like vLLM: queue time, prefill time (scheduled to first token, simulated
     seconds) and the prompt tokens it computed; the router's engine source parses them."""
     profile = get_profile("cpu-tiny")
     prompt = list(range(300, 1300))
@@ -282,3 +284,41 @@ async def test_metrics_carry_the_prefill_histograms_kv_aware_reads(client: Clien
     assert 0.9 * first_pass <= totals.prefill_s <= 3.0 * first_pass + 0.5, (totals.prefill_s, first_pass)
     assert await metric(client, "vllm:request_queue_time_seconds_count") == 2
     assert await metric(client, "vllm:time_to_first_token_seconds_sum") >= totals.prefill_s
+
+
+async def test_priority_policy_serves_the_urgent_request_first_and_fcfs_refuses_priorities(
+    aiohttp_client: MakeClient, tokenizer: SimTokenizer
+) -> None:
+    profile = get_profile("cpu-tiny")
+    # One sequence at a time, so the engine's waiting order is the order requests finish in.
+    config = dataclasses.replace(profile.scheduler_config(block_size=BLOCK), max_num_seqs=1, policy="priority")
+    settings = ReplicaSettings(name="p0", model_name="tiny", max_model_len=4096, scheduling_policy="priority")
+    client = await aiohttp_client(build_replica_app(settings, VllmEngine(config, profile), tokenizer))
+    finished: list[str] = []
+
+    async def send(name: str, priority: int | None, max_tokens: int) -> None:
+        body: dict[str, Any] = {"prompt": list(range(100, 400)), "max_tokens": max_tokens}
+        if priority is not None:
+            body["priority"] = priority
+        reply = await client.post("/v1/completions", json=body)
+        assert reply.status == 200, await reply.text()
+        await reply.read()
+        finished.append(name)
+
+    busy = asyncio.create_task(send("busy", None, 150))  # ~0.5 s of decoding holds the only slot
+    await asyncio.sleep(0.1)
+    low = asyncio.create_task(send("low", 5, 10))
+    await asyncio.sleep(0.05)
+    high = asyncio.create_task(send("high", -5, 10))
+    await asyncio.gather(busy, low, high)
+    assert finished == ["busy", "high", "low"]
+    refused = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "priority": "high"})
+    assert refused.status == 400 and (await refused.json())["error"]["param"] == "priority"
+
+    fcfs = ReplicaSettings(name="p1", model_name="tiny", max_model_len=4096)
+    plain = await aiohttp_client(build_replica_app(fcfs, build_engine(profile, block_size=BLOCK), tokenizer))
+    answer = await plain.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "priority": -1})
+    error = (await answer.json())["error"]
+    assert answer.status == 400 and error["message"] == "Got priority -1 but Priority scheduling is not enabled."
+    zero = await plain.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "priority": 0})
+    assert zero.status == 200

@@ -6,6 +6,12 @@ band, clamped to the first and last (with high / normal / low: -1 is high, 0 nor
 value naming no band gets the default band and is counted (`unknown_priority`); a malformed one (not a name, not an
 integer, a non-integer `priority`) is a 400.
 
+Engine priority (`engine_priority`, off by default): a request whose band came from the header alone (no
+`priority` in the body) and is not the default band gets `engine_priority`, the integer the router writes into
+its body's `priority` for the engines — the band's distance from the default band (-1 for `high` with the default
+bands), the same integer this module reads back as that band. A body that has a `priority` keeps it, and a
+default-band request's body is left alone (0 is vLLM's default).
+
 Tenant: the first of `tenant_from` that the request carries — the `x-kvrouter-tenant` header (a name: letters,
 digits, `_.:-`, at most 64; anything else is a 400), the client's API key (the tenant that lists it, else an opaque
 digest of the key: keys never reach labels or logs), the body's `user` string (a digest when it is not a plain
@@ -43,6 +49,8 @@ class FlowClass:
     """What metrics show: the configured tenant's name, `anonymous`, or `other`."""
     unknown: tuple[str, ...] = ()
     """Values that fell back to a default: `unknown_priority`, `unknown_tenant` (counted by the caller)."""
+    engine_priority: int | None = None
+    """The `priority` to write into the body for the engines (`FlowConfig.engine_priority`); None: unchanged."""
 
 
 def _digest(kind: str, value: str) -> str:
@@ -100,14 +108,18 @@ class FlowClassifier:
         return ANONYMOUS, True
 
     def classify(self, headers: Mapping[str, str], api_key: str, body: Mapping[str, Any]) -> FlowClass:
-        band, band_known = self.band_of(headers.get(PRIORITY_HEADER), body.get("priority"))
+        header = headers.get(PRIORITY_HEADER)
+        band, band_known = self.band_of(header, body.get("priority"))
         tenant, tenant_known = self.tenant_of(headers.get(TENANT_HEADER), api_key, body.get("user"))
         configured = self.config.tenants.get(tenant)
         label = tenant if configured is not None or tenant == ANONYMOUS else OTHER_LABEL
         unknown = tuple(
             name for name, known in (("unknown_priority", band_known), ("unknown_tenant", tenant_known)) if not known
         )
-        return FlowClass(band, tenant, configured.weight if configured else 1.0, label, unknown)
+        engine_priority = None
+        if self.config.engine_priority and header is not None and "priority" not in body and band != self.default_band:
+            engine_priority = band - self.default_band
+        return FlowClass(band, tenant, configured.weight if configured else 1.0, label, unknown, engine_priority)
 
     def of(self, band: int, tenant: str) -> FlowClass:
         """A class built directly (the replay assigns tenants and bands itself)."""

@@ -14,6 +14,7 @@
       starvation_s: 10              # a request waiting this long is starving ...
       starvation_share: 0.1         # ... and every 10th dispatch goes to the oldest starving one
       fail_fast: true               # a request predicted to wait past its TTL gets its 429 at once
+      engine_priority: false        # write the header's band into the body's `priority` for the engines
       fair_horizon_s: null          # null: VTC's counters; a number: service decays with that time constant
       tenant_from: [header, api_key, user]
       tenants:                      # weights for fair sharing (others weigh 1)
@@ -115,6 +116,13 @@ class FlowConfig(BaseModel):
     fail_fast: bool = Field(
         default=True,
         description="Refuse at once (429, Retry-After) a request whose predicted wait exceeds its band's TTL.",
+    )
+    engine_priority: bool = Field(
+        default=False,
+        description="When a request names its band only by x-kvrouter-priority (no 'priority' in the body), "
+        "write the band into the body's 'priority' (vLLM's field: the band's distance from default_band, "
+        "e.g. -1 for high) so engines run with --scheduling-policy priority order by it too. Off: bodies go "
+        "unchanged (vLLM's default fcfs policy refuses a nonzero 'priority' with a 400).",
     )
     tenant_from: list[TenantSource] = Field(
         default_factory=lambda: list(DEFAULT_TENANT_FROM),

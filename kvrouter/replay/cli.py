@@ -18,6 +18,10 @@ each policy on the same number of engines three ways: every engine serving whole
 prefill + 2 decode workers with every request split (`<policy>+pd-always`) or only those whose uncached prefill on
 the best decode worker passes `max_local_prefill_tokens` (`<policy>+pd-conditional`; the threshold is the
 setting `kv_batch_tokens`, as live). KV transfers cost the profile's `kv_transfer`.
+
+Engine scheduling: `--scheduling-policy priority` runs every engine as vLLM with `--scheduling-policy priority`
+(`kvrouter.sim.waiting`); each request carries the `priority` of its band (`--priority-share`: -1 for the first
+band with the default bands, 0 for the default band), as vLLM would receive it. fcfs (the default) ignores it.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from kvrouter.replay.trace import TraceError, conversations, load_trace, unshare
 from kvrouter.routing.disagg import DisaggSettings
 from kvrouter.routing.sessions import SESSION_MODES
 from kvrouter.sim.kv_transfer import fleet_roles
-from kvrouter.sim.model import EngineModel
+from kvrouter.sim.model import SCHEDULING_POLICIES, EngineModel
 from kvrouter.sim.profiles import build_engine, get_profile
 from kvrouter.typedefs import DisaggMode, ReplicaRole, SessionMode
 
@@ -130,6 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noisy-share", type=float, default=0.0, help="A tenant `noisy` sends this share of arrivals.")
     parser.add_argument(
         "--priority-share", type=float, default=0.0, help="Share of requests in the most urgent band (high)."
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=None,
+        help="The engines' vLLM --scheduling-policy: fcfs (vLLM's default) or priority, which orders each engine's "
+        "queue and preemptions by the requests' priority (the band's; default: the profile's, fcfs).",
     )
     parser.add_argument(
         "--sessions",
@@ -354,13 +365,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrouter replay: {error}", file=sys.stderr)
         return 2
 
+    scheduling = args.scheduling_policy
+
     def factory() -> EngineModel:
-        return build_engine(profile)
+        return build_engine(profile, scheduling_policy=scheduling)
 
     engine_factory: EngineFactory = factory
     engines: EngineFactory | list[EngineFactory] = engine_factory
     if speeds is not None:
-        engines = [functools.partial(build_engine, profile, speed=speed) for speed in speeds]
+        engines = [
+            functools.partial(build_engine, profile, speed=speed, scheduling_policy=scheduling) for speed in speeds
+        ]
     started = time.perf_counter()
     block_size = engine_factory().block_size
     catalog = PromptCatalog(
@@ -444,6 +459,7 @@ def run(args: argparse.Namespace) -> int:
         "routers": {"count": args.routers, "spread": args.spread, "share_delay_ms": args.share_delay_ms},
         "flow": {"rows": args.flow, "overrides": args.flow_overrides},
         "tenancy": dataclasses.asdict(tenancy),
+        "scheduling_policy": scheduling or profile.scheduling_policy,
         "replicate": args.replicate,
         "drain": {"at_s": args.drain_at, "warm": args.drain_warm},
         "hot_spot": {"share": args.hot_share, "start": args.hot_start, "prefix_blocks": args.hot_prefix_blocks},

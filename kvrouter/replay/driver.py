@@ -330,6 +330,7 @@ class Replay:
         classifier = FlowClassifier(flow or FlowConfig())
         self._band_names = [band.name for band in classifier.config.bands]
         urgent, default = 0, classifier.default_band
+        self._default_band = default
         tenants = self.options.tenants or {}
         self._flows = {
             request.index: classifier.of(
@@ -584,9 +585,15 @@ class Replay:
                 block_hashes=prepared.engine_hashes,
                 max_tokens=request.output_length,
                 arrival=self.now,
+                priority=self._engine_priority(request.index),
             )
         )
         self._queue_start(engine)
+
+    def _engine_priority(self, index: int) -> int:
+        """vLLM's `priority` for the request: its band's distance from the default band (the integer that
+        `kvrouter.flow.classes` reads as that band, and the router writes with `flow.engine_priority`)."""
+        return self._flows[index].band - self._default_band
 
     def _route_pd(self, position: int, facts: RoutingFacts, instance: RouterInstance) -> None:
         """Plan a request in a disaggregated fleet: whole on one replica, or its prefill leg now."""
@@ -606,7 +613,14 @@ class Replay:
             record.replica = str(engine.name)
             record.predicted_cached = routed.predicted_cached
             engine.model.add(
-                EngineRequest(request_id, request.input_length, prepared.engine_hashes, request.output_length, self.now)
+                EngineRequest(
+                    request_id,
+                    request.input_length,
+                    prepared.engine_hashes,
+                    request.output_length,
+                    self.now,
+                    priority=self._engine_priority(request.index),
+                )
             )
             self._queue_start(engine)
             return
@@ -619,7 +633,10 @@ class Replay:
         record.replica = str(plan.decode.chosen)
         record.prefill_replica = str(engine.name)
         record.predicted_cached = routed.predicted_cached
-        engine.model.add(EngineRequest(leg_id, request.input_length, prepared.engine_hashes, 1, self.now))
+        priority = self._engine_priority(request.index)
+        engine.model.add(
+            EngineRequest(leg_id, request.input_length, prepared.engine_hashes, 1, self.now, priority=priority)
+        )
         self._queue_start(engine)
 
     def _prefill_answered(self, leg_id: str) -> None:
@@ -649,6 +666,7 @@ class Replay:
                 request.output_length,
                 self.now,
                 kv_transferred=True,
+                priority=self._engine_priority(request.index),
             )
         )
         self._queue_start(engine)

@@ -1,9 +1,11 @@
 """Request handlers and the relay: the async shell around `Router`.
 
 A completion request is read (size-capped), parsed once (`parse_request`), turned into routing facts, and sent to
-the replica the policy picks. Connect failures, stalls, redirects, 5xx and 429 answers are retried on another
-replica — only while nothing has been written to the client; which of those count against the replica's breaker is
-decided in `kvrouter.server.replicas` (a 5xx that a second replica repeats is the request's, not theirs). The answer
+the replica the policy picks, its body as the client sent it (inflated) unless `flow.engine_priority` writes the
+header's band into its `priority` (`kvrouter.server.priority_field`). Connect failures, stalls, redirects, 5xx and
+429 answers are retried on another replica — only while nothing has been written to the client; which of those
+count against the replica's breaker is decided in `kvrouter.server.replicas` (a 5xx that a second replica repeats
+is the request's, not theirs). The answer
 is relayed as it arrives: SSE chunk by chunk (the first chunk is awaited before anything reaches the client, so a
 stream that never starts is retried too), JSON bodies whole and unchanged up to `max_upstream_body_bytes` (502 past
 it). A non-streaming request of the common shape is fetched as a stream and its JSON answer assembled as the replica
@@ -69,6 +71,7 @@ from kvrouter.server.assembly import (
 )
 from kvrouter.server.disagg_legs import PdLegs, decode_request, stream_error
 from kvrouter.server.flow_gate import Admission, FlowGate
+from kvrouter.server.priority_field import with_priority
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
 from kvrouter.server.request_ids import RequestIds
 from kvrouter.server.session_keys import SESSION_HEADER, session_key
@@ -285,6 +288,8 @@ class Proxy:
             raw = await self.read_body(request)
             parsed = parse_request(endpoint, raw) if parsed is None else parsed
             flow = self.flow_of(request, parsed)
+            if flow is not None and flow.engine_priority is not None:
+                parsed, raw = with_priority(parsed, flow.engine_priority)  # flow.engine_priority: the header's band
             session = self.session_of(request, parsed)
             facts = await self.router.facts(parsed)
             facts.session = session

@@ -17,6 +17,10 @@ into replicas.yaml; the replicas of one process share one KV-transfer plane (`kv
 so a decode replica accepts the params any of the process's prefill replicas answered. `--fault NAME:KIND` makes
 replica NAME fail its legs (`kvrouter.sim.server.PdFaults`): `prefill-STATUS` (answer prefill legs with STATUS),
 `die-after-prefill`, `reject-transfers`.
+
+`--scheduling-policy priority` starts every replica as vLLM with that flag: a request's `priority` field (an
+integer, lower first) orders its engine's waiting queue and chooses whom a KV shortage preempts
+(`kvrouter.sim.waiting`); with fcfs, vLLM's default, a nonzero `priority` is a 400, as vLLM answers it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -36,6 +41,7 @@ import zmq
 
 from kvrouter.sim.device import LiveDevice
 from kvrouter.sim.kv_transfer import KvPeers, fleet_roles
+from kvrouter.sim.model import SCHEDULING_POLICIES
 from kvrouter.sim.profiles import PROFILES, Profile, build_engine, get_profile
 from kvrouter.sim.server import PdFaults, ReplicaSettings, build_replica_app
 from kvrouter.typedefs import ReplicaRole
@@ -56,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strict-model",
         action="store_true",
         help="Answer a request naming another model 404 NotFoundError, as vLLM does (default: serve any name).",
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=None,
+        help="vLLM's --scheduling-policy for every replica: fcfs (vLLM's default: a nonzero request `priority` is a "
+        "400) or priority (each engine orders its queue and preemptions by it); default: the profile's, fcfs.",
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="Simulated seconds per wall second.")
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per replica (vLLM's count).")
@@ -217,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         profile = get_profile(args.profile)
+        if args.scheduling_policy is not None:
+            profile = dataclasses.replace(profile, scheduling_policy=args.scheduling_policy)
         if args.replicas < 1 or args.time_scale <= 0:
             raise ValueError("--replicas must be >= 1 and --time-scale > 0")
         build_engine(profile, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks)
@@ -296,6 +311,7 @@ async def _serve(
                 kv_transfer=profile.kv_transfer,
                 strict_model=args.strict_model,
                 model_root=model_root,
+                scheduling_policy=profile.scheduling_policy,
             )
             device = devices[sharing.device_of(index)] if devices else None
             app = build_replica_app(

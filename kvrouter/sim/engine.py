@@ -1,12 +1,16 @@
 """A vLLM-v1-like engine model: continuous batching over a prefix-cached paged KV cache (pure, clock-free).
 
-One `step(now)` is one scheduler pass as vLLM v1 makes it (FCFS policy, chunked prefill on):
+One `step(now)` is one scheduler pass as vLLM v1 makes it (chunked prefill on; `policy` fcfs, vLLM's default, or
+priority, `kvrouter.sim.waiting`):
 
 1. Running requests, in order, each get the tokens they still need (1 when decoding, the rest of the prompt when
    prefilling) capped by the pass's token budget (`max_num_batched_tokens`). When the cache cannot give a request
-   its blocks, the most recently admitted running request is preempted (blocks freed, progress dropped, put back
-   at the head of the waiting queue) until it can, or the request preempts itself.
-2. If nothing was preempted, waiting requests are admitted in order while the budget lasts, `max_num_seqs` is
+   its blocks, a running request is preempted (blocks freed, progress dropped, put back in the waiting queue)
+   until it can, or the request preempts itself: under fcfs the most recently admitted one (back at the head of
+   the queue), under priority the least urgent, newest first (back by its order; if it was already scheduled in
+   this pass its tokens return to the budget).
+2. If nothing was preempted, waiting requests are admitted in the queue's order (fcfs: arrival; priority: by
+   `priority`, then arrival) while the budget lasts, `max_num_seqs` is
    not reached and the cache has room: each first looks up its prefix (at most `prompt - 1` tokens, whole blocks),
    then gets the remaining tokens up to the budget (chunked prefill); it is admitted only if blocks for its whole
    prompt are free (`reserve_full_prompt`, vLLM's scheduler_reserve_full_isl). The prefix-cache query/hit
@@ -18,8 +22,8 @@ One `step(now)` is one scheduler pass as vLLM v1 makes it (FCFS policy, chunked 
 4. The pass takes `timing.step_time(...)` seconds; every request whose known tokens are all computed emits one
    token at its end; a request that reached `max_tokens` finishes and frees its blocks (tail first).
 
-Knobs: `max_num_seqs`, `max_num_batched_tokens`, `reserve_full_prompt`, `num_blocks` and `block_size` (the
-cache), `timing` (a profile),
+Knobs: `max_num_seqs`, `max_num_batched_tokens`, `reserve_full_prompt`, `policy`, `num_blocks` and `block_size`
+(the cache), `timing` (a profile),
 `hash_seed` (the root of the engine's own block hashes). Work per pass is O(scheduled requests + blocks that
 change); tokens are never materialised unless the request came with token ids.
 """
@@ -27,7 +31,6 @@ change); tokens are never materialised unless the request came with token ids.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
@@ -35,7 +38,15 @@ from typing import Protocol
 
 from kvrouter.sim.cache import PrefixCache
 from kvrouter.sim.hashing import block_extras, hash_block, hash_label, root_hash
-from kvrouter.sim.model import EngineGaugesSnapshot, EngineRequest, KvEvent, StepResult, StoredBlocks
+from kvrouter.sim.model import (
+    EngineGaugesSnapshot,
+    EngineRequest,
+    KvEvent,
+    SchedulingPolicy,
+    StepResult,
+    StoredBlocks,
+)
+from kvrouter.sim.waiting import OrderKey, order_key, priority_victim, waiting_queue
 
 
 class StepTiming(Protocol):
@@ -55,6 +66,8 @@ class SchedulerConfig:
     reserve_full_prompt: bool = True
     """Admit a waiting request only if its whole prompt fits, not just its first chunk (vLLM's
     scheduler_reserve_full_isl, on by default in recent versions)."""
+    policy: SchedulingPolicy = "fcfs"
+    """vLLM's --scheduling-policy: the waiting queue's order and the preemption victim (`kvrouter.sim.waiting`)."""
 
 
 class _Seq:
@@ -70,6 +83,7 @@ class _Seq:
         "order",
         "preemptions",
         "prompt_len",
+        "received",
         "reported",
         "request",
         "unhashed",
@@ -89,6 +103,8 @@ class _Seq:
         self.preemptions = 0
         self.reported = False
         self.label_base = -1
+        self.received = 0
+        """The order the engine received it in (ties of the priority policy, `kvrouter.sim.waiting`)."""
         self.order = 0
         """Position in the running batch (admission counter): the order vLLM schedules running requests in."""
         self.base = 0
@@ -113,6 +129,10 @@ class _Seq:
         return head + tuple(outputs[out_start:out_end])
 
 
+def _order_of(seq: _Seq) -> OrderKey:
+    return order_key(seq.request, seq.received)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -130,12 +150,14 @@ class VllmEngine:
         self.cache = PrefixCache(config.num_blocks, config.block_size)
         self.hash_seed = hash_seed
         self._root = root_hash(hash_seed)
-        self._waiting: deque[_Seq] = deque()
+        self._waiting = waiting_queue(config.policy, _order_of)
+        self._by_priority = config.policy == "priority"
         self._running: list[_Seq] = []
         self._seqs: dict[str, _Seq] = {}
         self._queries = 0
         self._hits = 0
         self._orders = 0
+        self._received = 0
         # Lockstep decoding: while every running request is decoding, a pass only touches the requests that
         # reach a block boundary or finish in it (a heap of those passes); the others' counters catch up lazily.
         self._pass = 0
@@ -159,8 +181,10 @@ class VllmEngine:
                 f"request needs {needed} KV blocks, the cache has {self.config.num_blocks}; it could never run"
             )
         seq = _Seq(request)
+        seq.received = self._received
+        self._received += 1
         self._seqs[request.request_id] = seq
-        self._waiting.append(seq)
+        self._waiting.add(seq)
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -236,12 +260,21 @@ class VllmEngine:
             if end > held * block_size:
                 need = -(-end // block_size) - held
                 while need > cache.free_blocks:
-                    victim = running.pop()
+                    if self._by_priority:
+                        victim = priority_victim(running, _order_of)
+                        position = running.index(victim)
+                        del running[position]
+                        if position < index:  # scheduled earlier in this pass: its tokens go back to the budget
+                            slot = next(i for i, (done, _) in enumerate(scheduled) if done is victim)
+                            budget += scheduled.pop(slot)[1]
+                            index -= 1
+                    else:
+                        victim = running.pop()
                     self._preempt(victim)
                     result.preempted.append(victim.request.request_id)
                     preempted = True
                     if victim is seq:
-                        return 0  # it was the last running request and gave up its own blocks
+                        return 0  # it gave up its own blocks: nothing more is scheduled from the running list
                 cache.allocate(need)
                 seq.unhashed += need
             if end // block_size > len(seq.blocks):
@@ -259,7 +292,7 @@ class VllmEngine:
         max_seqs = self.config.max_num_seqs
         reserve_full = self.config.reserve_full_prompt
         while waiting and budget > 0 and len(running) < max_seqs:
-            seq = waiting[0]
+            seq = waiting.head()
             hits = cache.lookup(seq.hashes, (seq.num_tokens - 1) // block_size)
             hit_tokens = len(hits) * block_size
             computed = hit_tokens
@@ -277,7 +310,7 @@ class VllmEngine:
             if seq.preemptions == 0:
                 self._queries += seq.num_tokens
                 self._hits += hit_tokens
-            waiting.popleft()
+            waiting.take()
             cache.touch(hits)
             seq.blocks = hits
             cache.allocate(need)
@@ -335,7 +368,7 @@ class VllmEngine:
         self._release(seq)
         seq.num_computed = 0
         seq.preemptions += 1
-        self._waiting.appendleft(seq)
+        self._waiting.put_back(seq)
 
     def _release(self, seq: _Seq) -> None:
         self.cache.free(seq.blocks, seq.unhashed)

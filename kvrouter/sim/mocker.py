@@ -17,6 +17,10 @@ Its job is to let kvrouter be judged number for number against Dynamo's own offl
 * Out of blocks for a decode token: the newest running request is preempted (blocks freed, back to the head of
   the queue); admitted again, it computes its whole sequence (prompt and output so far) minus what is still
   cached, and reports that cache hit.
+* `policy` "priority" (not in Dynamo 1.6.1's mocker: vLLM's `--scheduling-policy priority`, as
+  `kvrouter.sim.waiting` describes it): the waiting queue is ordered by the request's `priority`, then arrival,
+  and a preempted request re-enters by that order; the request preempted for a decode token is the running one
+  with the largest (priority, arrival). "fcfs" (the default) is the mocker as above.
 * Time: prefill_ms = a*T^2 + b*T + c over T uncached tokens in the pass (Dynamo's integer means:
   T = n*(floor(sum prompt/n) - floor(sum prefix/n)) over the n prefilling requests), decode_ms =
   max(1, d2*u^2 + d1*u + d0) with u = (sequence lengths of requests already decoding) / (num_blocks*block_size),
@@ -33,7 +37,7 @@ each one next needs a block or finishes, and the sum of their lengths moves by t
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvrouter.sim.model import (
@@ -42,9 +46,11 @@ from kvrouter.sim.model import (
     EngineRequest,
     KvEvent,
     RemovedBlocks,
+    SchedulingPolicy,
     StepResult,
     StoredBlocks,
 )
+from kvrouter.sim.waiting import OrderKey, order_key, priority_victim, waiting_queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,8 @@ class MockerConfig:
     decode_constant: float = 5.74
     speedup: float = 1.0
     """Divides every pass's duration (Dynamo's speedup_ratio)."""
+    policy: SchedulingPolicy = "fcfs"
+    """vLLM's --scheduling-policy (see the module docstring); Dynamo 1.6.1's mocker is fcfs."""
 
 
 @dataclass(slots=True, eq=False)
@@ -88,11 +96,17 @@ class _Request:
     decoding: bool = False
     counted: bool = False
     """Its first admission went into the prefix-cache counters."""
+    received: int = 0
+    """The order the engine received it in (ties of the priority policy, `kvrouter.sim.waiting`)."""
 
     def generated_at(self, pass_number: int) -> int:
         if not self.decoding:
             return self.generated
         return self.generated + pass_number - self.base_pass
+
+
+def _order_of(state: _Request) -> OrderKey:
+    return order_key(state.spec, state.received)
 
 
 @dataclass(slots=True)
@@ -188,7 +202,8 @@ class DynamoMockerEngine:
         self.max_num_seqs = self.config.max_seqs
         self._pool = _BlockPool(self.config.num_blocks, self.config.block_size)
         self._requests: dict[str, _Request] = {}
-        self._waiting: deque[_Request] = deque()
+        self._waiting = waiting_queue(self.config.policy, _order_of)
+        self._by_priority = self.config.policy == "priority"
         self._running: dict[str, _Request] = {}
         """Admission order, decoders and prefills together."""
         self._decoders: dict[str, _Request] = {}
@@ -200,6 +215,7 @@ class DynamoMockerEngine:
         """Decoders' sequence lengths at the start of the current pass."""
         self._pass = 0
         self._orders = 0
+        self._received = 0
         self._output_hashes = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
@@ -211,9 +227,10 @@ class DynamoMockerEngine:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
         if request.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        state = _Request(request, list(request.block_hashes))
+        state = _Request(request, list(request.block_hashes), received=self._received)
+        self._received += 1
         self._requests[request.request_id] = state
-        self._waiting.append(state)
+        self._waiting.add(state)
 
     def abort(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -287,7 +304,10 @@ class DynamoMockerEngine:
             if not state.decoding:
                 continue  # preempted earlier in this pass
             while pool.free() <= 0:
-                victim = next(reversed(self._running.values()))
+                if self._by_priority:
+                    victim = priority_victim(self._running.values(), _order_of)
+                else:
+                    victim = next(reversed(self._running.values()))
                 self._preempt(victim, result)
                 preempted = True
                 if victim is state:
@@ -332,7 +352,7 @@ class DynamoMockerEngine:
     def _preempt(self, state: _Request, result: StepResult) -> None:
         self._leave_running(state)
         self._release(state)
-        self._waiting.appendleft(state)
+        self._waiting.put_back(state)
         result.preempted.append(state.spec.request_id)
 
     def _schedule_prefill(self, state: _Request, chunk: int, prefills: list[tuple[_Request, int]]) -> None:
@@ -353,7 +373,7 @@ class DynamoMockerEngine:
         waiting = self._waiting
         max_seqs = self.config.max_seqs
         while waiting and budget > 0 and len(self._running) < max_seqs:
-            state = waiting[0]
+            state = waiting.head()
             spec = state.spec
             tokens = spec.prompt_len + state.generated
             limit = (tokens - 1) // size
@@ -370,7 +390,7 @@ class DynamoMockerEngine:
             needed = -(-tokens // size)
             if needed - in_use > pool.free():
                 break
-            waiting.popleft()
+            waiting.take()
             pool.hold(state.hashes[:hits])
             pool.reserve(needed - hits)
             state.registered = hits

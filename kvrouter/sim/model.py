@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+"""vLLM's `--scheduling-policy` values the engine models implement (`kvrouter.sim.waiting`)."""
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 
 
 @dataclass(slots=True)
@@ -40,6 +44,9 @@ class EngineRequest:
     instance caches the blocks it pulled); its first pass computes the last prompt token and emits the first output
     token (vLLM recomputes that token on the decode side). Blocks for the whole prompt must be free, as for any
     admission. A preempted request has lost its transfer and recomputes its prompt."""
+    priority: int = 0
+    """vLLM's request `priority` (lower is served first, 0 the default); read only by an engine scheduling with
+    the `priority` policy (`kvrouter.sim.waiting`)."""
 
 
 @dataclass(frozen=True, slots=True)

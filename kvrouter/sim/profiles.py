@@ -79,6 +79,11 @@ where it does not agree):
     max_model_len 32,768; max_num_seqs 256 (never binding here: the KV cache holds ~12 such requests).
   * KV transfer: 32 x 2 x 8 x 128 x 2 B = 131,072 B per token, one GPU.
 
+Any profile schedules as vLLM with `--scheduling-policy fcfs` (its default) unless `scheduling_policy` says
+`priority` (`build_engine(..., scheduling_policy="priority")`, `kvrouter replay|sim --scheduling-policy priority`):
+the engine then orders its waiting queue by each request's `priority` and preempts the least urgent running
+request when blocks run out (`kvrouter.sim.waiting`); both engine models implement it.
+
 Any profile runs slower or faster with `speed` (`build_engine(..., speed=0.5)`, `kvrouter replay --speeds`): every
 pass's duration is divided by it, so a fleet of two GPU generations is one profile at two speeds.
 
@@ -104,7 +109,7 @@ from dataclasses import dataclass, replace
 
 from kvrouter.sim.device import DeviceSharing
 from kvrouter.sim.engine import SchedulerConfig, VllmEngine
-from kvrouter.sim.model import EngineModel
+from kvrouter.sim.model import SCHEDULING_POLICIES, EngineModel, SchedulingPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +150,14 @@ class Profile:
     gives every replica a device of its own (no contention, the timing of every profile without it)."""
     overhead_device_share: float = 1.0
     """With shared devices: the fraction of `step_overhead_s` that holds the GPU (the rest is the CPU's)."""
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    """vLLM's --scheduling-policy: fcfs (vLLM's default) or priority (`kvrouter.sim.waiting`)."""
 
     def __post_init__(self) -> None:
         if self.speed <= 0:
             raise ValueError("speed must be positive")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}; expected fcfs or priority")
         self.device_sharing()  # validates the sharing knobs
 
     def device_sharing(self) -> DeviceSharing:
@@ -183,6 +192,7 @@ class Profile:
             max_num_batched_tokens=self.max_num_batched_tokens,
             num_blocks=blocks - 1,
             block_size=size,
+            policy=self.scheduling_policy,
         )
 
 
@@ -274,10 +284,14 @@ def build_engine(
     num_gpu_blocks: int | None = None,
     hash_seed: int = 0,
     speed: float | None = None,
+    scheduling_policy: SchedulingPolicy | None = None,
 ) -> EngineModel:
-    """The engine model a profile names, sized by the profile unless overridden; `speed` overrides its speed."""
+    """The engine model a profile names, sized by the profile unless overridden; `speed` and `scheduling_policy`
+    override the profile's."""
     if speed is not None:
         profile = replace(profile, speed=speed)
+    if scheduling_policy is not None:
+        profile = replace(profile, scheduling_policy=scheduling_policy)
     if profile.engine == "vllm":
         config = profile.scheduler_config(block_size=block_size, num_gpu_blocks=num_gpu_blocks)
         return VllmEngine(config, profile, hash_seed=hash_seed)
@@ -291,6 +305,7 @@ def build_engine(
             num_blocks=num_gpu_blocks if num_gpu_blocks is not None else defaults.num_blocks,
             block_size=block_size or defaults.block_size,
             speedup=defaults.speedup * profile.speed,
+            policy=profile.scheduling_policy,
         )
         return DynamoMockerEngine(mocker_config)
     raise ValueError(f"profile {profile.name!r} names an unknown engine {profile.engine!r}")

@@ -12,7 +12,9 @@ the model's path, one permission entry).
 A request spends the profile's front-end overhead, then its prompts enter the engine; tokens stream back as the
 engine's passes end. Generation always runs to `max_tokens` (the simulator never samples EOS, so `ignore_eos` is
 accepted and changes nothing); without `max_tokens` a request gets `default_max_tokens`, capped by the context
-window. A client that disconnects has its requests aborted in the engine.
+window. A client that disconnects has its requests aborted in the engine. `priority` (vLLM's request field, an
+integer) reaches the engine under `scheduling_policy` priority; under fcfs a nonzero one is a 400 ("Got priority
+N but Priority scheduling is not enabled."), as vLLM answers it.
 
 Disaggregated prefill/decode (`kvrouter.sim.kv_transfer`, vLLM's NixlConnector protocol): a replica has a `role`.
 A `prefill` or `both` replica answers a prefill leg (`kv_transfer_params.do_remote_decode`, one prompt) like any
@@ -52,7 +54,7 @@ from kvrouter.sim.kv_transfer import (
     prefill_answer,
 )
 from kvrouter.sim.metrics import ReplicaMetrics
-from kvrouter.sim.model import EngineModel, EngineRequest
+from kvrouter.sim.model import EngineModel, EngineRequest, SchedulingPolicy
 from kvrouter.sim.profiles import KvTransfer
 from kvrouter.sim.publisher import KvEventPublisher
 from kvrouter.sim.textio import SimTokenizer
@@ -80,6 +82,9 @@ class ReplicaSettings:
     """Refuse (404, as vLLM) a request whose `model` is neither `model_name` nor an adapter; else serve any name."""
     model_root: str = ""
     """What /v1/models gives as the base model's `root` (vLLM: the model's path); default `model_name`."""
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    """The engine's --scheduling-policy (as the engine was built): under fcfs a request's nonzero `priority` is a
+    400, as vLLM answers it; under priority the engine orders by it."""
 
     @property
     def kv_engine_id(self) -> str:
@@ -311,6 +316,18 @@ async def _completion_prompts(replica: Replica, prompt: object) -> list[list[int
     raise ApiError("'prompt' must be a string, a list of strings, token ids or a list of token-id lists")
 
 
+def _priority(body: dict[str, Any], settings: ReplicaSettings) -> int:
+    """vLLM's request `priority` (an integer, 0 by default); nonzero only under the priority policy."""
+    value = body.get("priority", 0)
+    if value is None:
+        value = 0
+    if type(value) is not int:
+        raise ApiError("'priority' must be an integer", param="priority")
+    if value != 0 and settings.scheduling_policy != "priority":
+        raise ApiError(f"Got priority {value} but Priority scheduling is not enabled.")
+    return value
+
+
 def _max_tokens(body: dict[str, Any], settings: ReplicaSettings, longest_prompt: int) -> int:
     value = body.get("max_completion_tokens", body.get("max_tokens"))
     room = settings.max_model_len - longest_prompt
@@ -365,6 +382,7 @@ async def _generate(
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ApiError("'cache_salt' must be a non-empty string")
         leg = _leg(replica, body, prompts)
+        priority = _priority(body, settings)
     except ApiError as error:
         return _error(error)
     faults = replica.faults
@@ -405,6 +423,7 @@ async def _generate(
                 lora_id=lora_id,
                 output_token_ids=outputs,
                 kv_transferred=isinstance(leg, RemotePrefill),
+                priority=priority,
             )
             item = Tracked(engine_request, index, sink, arrived)
             replica.driver.submit(item)
