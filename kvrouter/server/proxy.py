@@ -67,6 +67,7 @@ from kvrouter.server.assembly import (
     assemblable,
     assemble,
 )
+from kvrouter.server.chunk_reads import ChunkReader
 from kvrouter.server.disagg_legs import PdLegs, decode_request, stream_error
 from kvrouter.server.flow_gate import Admission, FlowGate
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
@@ -106,6 +107,14 @@ class Refused:
     headers: CIMultiDict[str] | None = None
     server_error: bool = False
     """A 5xx answer, not yet charged to the replica: whose fault it is depends on what other replicas answer."""
+
+
+class RelayedStream(web.StreamResponse):
+    """A relayed SSE answer whose head goes out in one send with its first chunk, which the proxy already holds
+    when it prepares the response: the same bytes as sending the head alone first, one socket write fewer per
+    stream (aiohttp's `web.Response` buffers its head the same way)."""
+
+    _send_headers_immediately = False
 
 
 class Stalled(Exception):
@@ -524,11 +533,10 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError):
             return b"", False
 
-    async def _read_chunk(self, upstream: aiohttp.ClientResponse) -> bytes:
+    def _chunks(self, upstream: aiohttp.ClientResponse) -> ChunkReader:
         # Our own per-chunk deadline on top of the session's sock_read: aiohttp drops its read timer when the
         # replica's chunked framing is malformed mid-body, and the read would never end.
-        async with asyncio.timeout(self.settings.read_timeout_s):
-            return await upstream.content.readany()
+        return ChunkReader(upstream.content, self.settings.read_timeout_s)
 
     async def _forward(
         self,
@@ -569,6 +577,7 @@ class Proxy:
             self.replicas.record_failure(replica, reason, error)
             self.layouts.forget(replica.name)
             return Refused(reason)
+        chunks: ChunkReader | None = None
         try:
             replica.record_progress()
             status = upstream.status
@@ -589,8 +598,9 @@ class Proxy:
                 return self._bad_answer(replica, request_id, "not_event_stream", reason)
             out_headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
             if upstream.content_type == EVENT_STREAM:
+                chunks = self._chunks(upstream)
                 try:
-                    first = await self._until_first_byte(replica, self._read_chunk(upstream))
+                    first = await self._until_first_byte(replica, chunks.read())
                 except Stalled as stall:
                     self.replicas.record_stall(replica, str(stall))
                     return Refused(str(stall))
@@ -605,9 +615,11 @@ class Proxy:
                 replica.record_progress()
                 if answer is not None and answer.layout is not None:
                     return await self._assemble(
-                        upstream, first, out_headers, route, replica, routed, request_id, start, answer
+                        upstream, chunks, first, out_headers, route, replica, routed, request_id, start, answer
                     )
-                return await self._relay_stream(request, upstream, first, out_headers, route, replica, routed, start)
+                return await self._relay_stream(
+                    request, upstream, chunks, first, out_headers, route, replica, routed, start
+                )
             replica.record_success()
             try:
                 body = await read_capped(upstream, self.settings.max_upstream_body_bytes)
@@ -640,6 +652,8 @@ class Proxy:
             self.layouts.forget(replica.name)
             return Refused(reason)
         finally:
+            if chunks is not None:
+                chunks.close()
             upstream.close()
 
     def _learn(self, replica: ReplicaState, endpoint: Endpoint, body: bytes) -> None:
@@ -654,6 +668,7 @@ class Proxy:
     async def _assemble(
         self,
         upstream: aiohttp.ClientResponse,
+        chunks: ChunkReader,
         first: bytes,
         headers: CIMultiDict[str],
         route: str,
@@ -681,7 +696,7 @@ class Proxy:
         try:
             while chunk:
                 collected.feed(chunk)
-                chunk = await self._read_chunk(upstream)
+                chunk = await chunks.read()
                 replica.record_progress()
             collected.close()
             if not collected.done and collected.error is None:
@@ -730,6 +745,7 @@ class Proxy:
         self,
         request: web.Request,
         upstream: aiohttp.ClientResponse,
+        chunks: ChunkReader,
         first: bytes,
         headers: CIMultiDict[str],
         route: str,
@@ -737,7 +753,7 @@ class Proxy:
         routed: Routed,
         start: float,
     ) -> web.StreamResponse:
-        response = web.StreamResponse(status=upstream.status, headers=headers)
+        response = RelayedStream(status=upstream.status, headers=headers)
         timers = self.metrics.timers(replica.name, route)
         scanner = UsageScanner()
         status = str(upstream.status)
@@ -752,7 +768,7 @@ class Proxy:
                 scanner.feed(chunk)
                 await response.write(chunk)
                 try:
-                    chunk = await self._read_chunk(upstream)
+                    chunk = await chunks.read()
                 except (aiohttp.ClientError, TimeoutError) as error:
                     # Too late to retry: an SSE error event says why (OpenAI clients raise it as an APIError), then
                     # the connection is cut without the chunked terminator so the truncation shows, not a clean end.
@@ -870,11 +886,12 @@ class Proxy:
     ) -> web.StreamResponse:
         headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
         response = web.StreamResponse(status=upstream.status, headers=headers)
+        chunks = self._chunks(upstream)
         try:
             await response.prepare(request)
             while True:
                 try:
-                    chunk = await self._read_chunk(upstream)
+                    chunk = await chunks.read()
                 except (aiohttp.ClientError, TimeoutError):
                     if request.transport is not None:
                         request.transport.close()
@@ -887,4 +904,6 @@ class Proxy:
             await response.write_eof()
         except ConnectionError:
             pass  # the client left; closing `upstream` (the caller does) is all that is left to do
+        finally:
+            chunks.close()
         return response
