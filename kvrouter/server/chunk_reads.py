@@ -42,7 +42,7 @@ class ChunkReader:
             self._since = None
 
     def close(self) -> None:
-        """The answer is done with: drop the timer."""
+        """The answer is done with: drop the timer (and with it the cycle timer -> bound `_check` -> self)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -121,6 +121,38 @@ class Stalled(Exception):
     """No first byte within a whole first-byte window while the replica showed no progress on any request."""
 
 
+class _ProgressWatch:
+    """One first-byte wait's window: re-armed while the replica shows progress, else it ends the wait (`deadline`).
+
+    A slotted object rather than a closure that re-arms itself: such a closure refers to itself through its cell,
+    a reference cycle (with its cells, the handle and the Timeout) per wait that only the garbage collector frees;
+    two waits per request made them most of the router's cyclic garbage."""
+
+    __slots__ = ("_deadline", "_handle", "_loop", "_replica", "_since", "_window")
+
+    def __init__(self, replica: ReplicaState, window: float, deadline: asyncio.Timeout) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._replica = replica
+        self._window = window
+        self._deadline = deadline
+        self._since = replica.progress_at
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(window, self._check)
+
+    def _check(self) -> None:
+        progress = self._replica.progress_at
+        if progress > self._since:
+            self._since = progress
+            self._handle = self._loop.call_later(self._window, self._check)
+        else:
+            self._handle = None
+            self._deadline.reschedule(self._loop.time())
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None  # a cancelled uvloop handle keeps its callback, this object's bound method
+
+
 class PathAllowList:
     """`passthrough_paths`: exact paths, and `/prefix/*` entries that allow plain sub-paths of the prefix."""
 
@@ -482,30 +514,19 @@ class Proxy:
         """Await `pending` (an answer's headers, a stream's first chunk); `Stalled` when the replica shows no
         progress on any request for a whole `first_byte_timeout_s` window. A replica that is slow but moving
         (decoding other requests, engine token counters rising) is waited for, window after window."""
-        loop = asyncio.get_running_loop()
         window = self.settings.first_byte_timeout_s
-        since = replica.progress_at
-        handle: asyncio.TimerHandle | None = None
+        watch: _ProgressWatch | None = None
         try:
             async with asyncio.timeout(None) as deadline:
-
-                def check() -> None:
-                    nonlocal handle, since
-                    if replica.progress_at > since:
-                        since = replica.progress_at
-                        handle = loop.call_later(window, check)
-                    else:
-                        deadline.reschedule(loop.time())
-
-                handle = loop.call_later(window, check)
+                watch = _ProgressWatch(replica, window, deadline)
                 return await pending
         except TimeoutError:
             if deadline.expired():
                 raise Stalled(f"no first byte within {window:g}s and no progress on any request") from None
             raise
         finally:
-            if handle is not None:
-                handle.cancel()
+            if watch is not None:
+                watch.cancel()
 
     def _bad_answer(self, replica: ReplicaState, request_id: str, label: str, reason: str) -> Refused:
         """An answer that is the replica's fault (a redirect, a stream without SSE): counted, retried elsewhere."""
