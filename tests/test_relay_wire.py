@@ -73,10 +73,23 @@ def dechunk(body: bytes) -> list[bytes]:
         body = body[size + 2 :]
 
 
-async def test_a_relayed_stream_reaches_the_client_as_the_replica_framed_it(make_router: RouterFactory) -> None:
+FRAMED = [framed(event) for event in EVENTS]
+PACINGS = {
     # Each event in its own write, 0.1 s apart, as an engine decodes: the router relays each as it comes.
-    parts = [UPSTREAM_HEAD + framed(EVENTS[0]), *map(framed, EVENTS[1:]), b"0\r\n\r\n"]
-    replica = await RawServer("r0", parts).start()
+    "event_by_event": [UPSTREAM_HEAD + FRAMED[0], *FRAMED[1:], b"0\r\n\r\n"],
+    # The last event and the terminator in one write: the router sends them on in one write too.
+    "end_with_last_event": [UPSTREAM_HEAD + FRAMED[0], *FRAMED[1:-1], FRAMED[-1] + b"0\r\n\r\n"],
+    # Everything at once (how a fast engine's short answer can come): how many chunks the router reads it in is
+    # up to the socket, so only the bytes are compared.
+    "all_at_once": [UPSTREAM_HEAD + b"".join(FRAMED) + b"0\r\n\r\n"],
+}
+
+
+@pytest.mark.parametrize("pacing", list(PACINGS))
+async def test_a_relayed_stream_reaches_the_client_as_the_replica_framed_it(
+    make_router: RouterFactory, pacing: str
+) -> None:
+    replica = await RawServer("r0", PACINGS[pacing]).start()
     try:
         client = await make_router([replica], max_retries=0)
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -97,8 +110,12 @@ async def test_a_relayed_stream_reaches_the_client_as_the_replica_framed_it(make
     assert values[b"x-kvrouter-replica"] == b"r0" and values[b"x-request-id"] == b"wire-1"
     # The replica's end-to-end headers cross as it sent them (aiohttp adds no Date or Server of its own then).
     assert values[b"date"] == b"Fri, 04 Dec 2026 12:00:00 GMT" and values[b"server"] == b"uvicorn"
-    # The body: every event in its own chunk, byte for byte, then the terminator and nothing else.
-    assert dechunk(rest) == EVENTS
+    # The body: the events byte for byte (each in its own chunk where the replica wrote them apart), then the
+    # terminator and nothing else.
+    chunks = dechunk(rest)
+    assert b"".join(chunks) == b"".join(EVENTS)
+    if pacing != "all_at_once":
+        assert chunks == EVENTS
 
 
 # -- ChunkReader: one deadline per read, one timer per answer ---------------------------------------------------

@@ -41,6 +41,10 @@ class ChunkReader:
         finally:
             self._since = None
 
+    def at_end(self) -> bool:
+        """The answer has ended: its end was seen and every chunk before it has been read."""
+        return self._content.at_eof()
+
     def close(self) -> None:
         """The answer is done with: drop the timer (and with it the cycle timer -> bound `_check` -> self)."""
         if self._timer is not None:

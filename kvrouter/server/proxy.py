@@ -420,10 +420,10 @@ class Proxy:
         if refused is not None and refused.status:
             # Every attempt was refused with an answer: the client gets the last one, as the replica sent it.
             headers = refused.headers or CIMultiDict()
-            self.metrics.requests.labels(tried[-1], route, str(refused.status)).inc()
+            self.metrics.count_request(tried[-1], route, str(refused.status))
             return web.Response(status=refused.status, body=refused.body, headers=headers)
         message = "no healthy replica is available" if refused is None else f"no replica answered: {refused.reason}"
-        self.metrics.requests.labels("none", route, "503").inc()
+        self.metrics.count_request("none", route, "503")
         unavailable = RequestError(message, status=503, code="no_replica_available", type_="server_error")
         if refused is None and facts.lora is not None:
             unavailable = self.lora_unavailable(facts.lora, request_id)
@@ -458,7 +458,7 @@ class Proxy:
             route = _ROUTES[parsed.endpoint]
             outcome = await legs.prefill(self.client_session(), headers, plan, facts, parsed, route, request_id, start)
             if outcome.answer is not None:
-                self.metrics.requests.labels(outcome.replica or "none", route, str(outcome.answer.status)).inc()
+                self.metrics.count_request(outcome.replica or "none", route, str(outcome.answer.status))
                 return outcome.answer
             decode = self.replicas.by_name.get(plan.decode.chosen)
             if outcome.params is not None and decode is not None and decode.routable:
@@ -648,7 +648,7 @@ class Proxy:
                 # The answer is whole but too large to hold: the request asked for it (n, logprobs), so the
                 # replica is not charged and another one would only answer the same.
                 self.replicas.reject(replica, "body_too_large")
-                self.metrics.requests.labels(replica.name, route, "502").inc()
+                self.metrics.count_request(replica.name, route, "502")
                 too_large = RequestError(
                     f"replica {replica.name} answered a {error} (max_upstream_body_bytes)",
                     status=502,
@@ -663,7 +663,7 @@ class Proxy:
                 self._observe_cached(replica, routed, cached)
                 if answer is not None and answer.plan is Plan.LEARN and status == 200:
                     self._learn(replica, answer.parsed.endpoint, body)
-            self.metrics.requests.labels(replica.name, route, str(status)).inc()
+            self.metrics.count_request(replica.name, route, str(status))
             self.metrics.timers(replica.name, route).duration.observe(self.clock() - start)
             return web.Response(status=status, body=body, headers=out_headers)
         except (aiohttp.ClientError, TimeoutError) as error:
@@ -732,11 +732,11 @@ class Proxy:
             if status >= 500 or status == 429:
                 reason = f"answered {status} in its stream"
                 return Refused(reason, status, collected.error, error_headers, server_error=status >= 500)
-            self.metrics.requests.labels(replica.name, route, str(status)).inc()
+            self.metrics.count_request(replica.name, route, str(status))
             return web.Response(status=status, body=collected.error, headers=error_headers)
         if collected.too_large:
             self.replicas.reject(replica, "body_too_large")
-            self.metrics.requests.labels(replica.name, route, "502").inc()
+            self.metrics.count_request(replica.name, route, "502")
             too_large = RequestError(
                 f"replica {replica.name} answered more than {self.settings.max_upstream_body_bytes} bytes "
                 "(max_upstream_body_bytes)",
@@ -757,7 +757,7 @@ class Proxy:
                 ", ".join(sorted(set(unexpected))),
             )
         self._observe_cached(replica, routed, collected.cached_tokens)
-        self.metrics.requests.labels(replica.name, route, "200").inc()
+        self.metrics.count_request(replica.name, route, "200")
         timers.duration.observe(self.clock() - start)
         headers["Content-Type"] = "application/json"
         return web.Response(status=200, body=body, headers=headers)
@@ -787,6 +787,9 @@ class Proxy:
                 timers.ttft.observe(now - start)
             while chunk:
                 scanner.feed(chunk)
+                if chunks.at_end():
+                    # The replica's end came with this chunk: chunk and terminator go out in one send.
+                    break
                 await response.write(chunk)
                 try:
                     chunk = await chunks.read()
@@ -805,14 +808,14 @@ class Proxy:
                         request.transport.close()
                     return response
                 replica.record_progress()
-            await response.write_eof()
+            await response.write_eof(chunk)
         except ConnectionError:
             status = "client_disconnect"
         except asyncio.CancelledError:
             status = "client_disconnect"
             raise
         finally:
-            self.metrics.requests.labels(replica.name, route, status).inc()
+            self.metrics.count_request(replica.name, route, status)
             timers.duration.observe(self.clock() - start)
             scanner.close()
             routed.generated_tokens = scanner.completion_tokens
