@@ -1,7 +1,7 @@
 """The request path frees what it makes by reference counting: no reference cycles for the garbage collector.
 
-Cyclic garbage costs twice: the collector's passes (young collections ran every ~12 requests under load, ~4% of
-the router's CPU) and the memory it holds until then. A closure that re-armed its own timer once made a cycle per
+Cyclic garbage costs twice: the collector's passes (3% of the router's CPU samples under load, docs/benchmarks.md
+"Third pass") and the memory it holds until then. A closure that re-armed its own timer once made a cycle per
 first-byte wait, two per request. Here a router with a tokenizer and kv_aware serves streamed, assembled and whole
 answers over real sockets while the collector saves everything it finds unreachable; nothing of kvrouter's may be
 among it.
