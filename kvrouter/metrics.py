@@ -215,9 +215,11 @@ class RouterMetrics:
         )
         self.events = EventMetrics(registry)
         self._timers: dict[tuple[str, str], RouteTimers] = {}
-        # Label children looked up once: `labels()` validates and locks on every call (~1.2 µs each here), and a
-        # request made five such calls. Children are never removed, so a cached one stays the exported one.
+        # Label children looked up once: `labels()` validates and locks on every call (~1.3 µs each here,
+        # loadtest/bench_relay_reads.py), and a request made up to six such calls. Children are never removed, so
+        # a cached one stays the exported one.
         self._answered: dict[tuple[str, str, str], Counter] = {}
+        self._fetched: dict[tuple[str, str], Counter] = {}
         self._cached_children: dict[str, tuple[Counter, Counter, Histogram]] = {}
 
     def timers(self, replica: str, route: str) -> RouteTimers:
@@ -234,6 +236,14 @@ class RouterMetrics:
         child = self._answered.get(key)
         if child is None:
             child = self._answered[key] = self.requests.labels(replica, route, status)
+        child.inc()
+
+    def count_non_streaming(self, replica: str, reason: str) -> None:
+        """`kvrouter_non_streaming_requests_total{replica, reason}` + 1."""
+        key = (replica, reason)
+        child = self._fetched.get(key)
+        if child is None:
+            child = self._fetched[key] = self.non_streaming.labels(replica, reason)
         child.inc()
 
     def observe_cached(self, replica: str, predicted: int, actual: int) -> None:

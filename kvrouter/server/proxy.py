@@ -581,7 +581,7 @@ class Proxy:
         )
         data = raw
         if answer is not None:
-            self.metrics.non_streaming.labels(replica.name, answer.reason).inc()
+            self.metrics.count_non_streaming(replica.name, answer.reason)
             if answer.plan is Plan.ASSEMBLE:
                 data = answer.streamed_body()
                 # The stream is parsed here: it must come as the replica writes it, not compressed for the client.
