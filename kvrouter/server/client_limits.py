@@ -276,8 +276,11 @@ class ClientEdge:
                 try:
                     if remaining <= 0:
                         raise TimeoutError
-                    async with asyncio.timeout(remaining):
-                        chunk = await payload.readany()
+                    # What has already arrived (usually the whole body with its headers) needs no timer.
+                    chunk = payload.read_nowait()
+                    if not chunk and not payload.is_eof():
+                        async with asyncio.timeout(remaining):
+                            chunk = await payload.readany()
                 except TimeoutError:
                     return self._too_slow(len(body))
                 except (RequestPayloadError, HttpProcessingError) as error:

@@ -69,6 +69,7 @@ from kvrouter.server.assembly import (
     assemblable,
     assemble,
 )
+from kvrouter.server.chunk_reads import ChunkReader
 from kvrouter.server.disagg_legs import PdLegs, decode_request, stream_error
 from kvrouter.server.flow_gate import Admission, FlowGate
 from kvrouter.server.priority_field import with_priority
@@ -111,8 +112,48 @@ class Refused:
     """A 5xx answer, not yet charged to the replica: whose fault it is depends on what other replicas answer."""
 
 
+class RelayedStream(web.StreamResponse):
+    """A relayed SSE answer whose head goes out in one send with its first chunk, which the proxy already holds
+    when it prepares the response: the same bytes as sending the head alone first, one socket write fewer per
+    stream (aiohttp's `web.Response` buffers its head the same way)."""
+
+    _send_headers_immediately = False
+
+
 class Stalled(Exception):
     """No first byte within a whole first-byte window while the replica showed no progress on any request."""
+
+
+class _ProgressWatch:
+    """One first-byte wait's window: re-armed while the replica shows progress, else it ends the wait (`deadline`).
+
+    A slotted object rather than a closure that re-arms itself: such a closure refers to itself through its cell,
+    a reference cycle (with its cells, the handle and the Timeout) per wait that only the garbage collector frees;
+    two waits per request made them most of the router's cyclic garbage."""
+
+    __slots__ = ("_deadline", "_handle", "_loop", "_replica", "_since", "_window")
+
+    def __init__(self, replica: ReplicaState, window: float, deadline: asyncio.Timeout) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._replica = replica
+        self._window = window
+        self._deadline = deadline
+        self._since = replica.progress_at
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(window, self._check)
+
+    def _check(self) -> None:
+        progress = self._replica.progress_at
+        if progress > self._since:
+            self._since = progress
+            self._handle = self._loop.call_later(self._window, self._check)
+        else:
+            self._handle = None
+            self._deadline.reschedule(self._loop.time())
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None  # a cancelled uvloop handle keeps its callback, this object's bound method
 
 
 class PathAllowList:
@@ -384,10 +425,10 @@ class Proxy:
         if refused is not None and refused.status:
             # Every attempt was refused with an answer: the client gets the last one, as the replica sent it.
             headers = refused.headers or CIMultiDict()
-            self.metrics.requests.labels(tried[-1], route, str(refused.status)).inc()
+            self.metrics.count_request(tried[-1], route, str(refused.status))
             return web.Response(status=refused.status, body=refused.body, headers=headers)
         message = "no healthy replica is available" if refused is None else f"no replica answered: {refused.reason}"
-        self.metrics.requests.labels("none", route, "503").inc()
+        self.metrics.count_request("none", route, "503")
         unavailable = RequestError(message, status=503, code="no_replica_available", type_="server_error")
         if refused is None and facts.lora is not None:
             unavailable = self.lora_unavailable(facts.lora, request_id)
@@ -422,7 +463,7 @@ class Proxy:
             route = _ROUTES[parsed.endpoint]
             outcome = await legs.prefill(self.client_session(), headers, plan, facts, parsed, route, request_id, start)
             if outcome.answer is not None:
-                self.metrics.requests.labels(outcome.replica or "none", route, str(outcome.answer.status)).inc()
+                self.metrics.count_request(outcome.replica or "none", route, str(outcome.answer.status))
                 return outcome.answer
             decode = self.replicas.by_name.get(plan.decode.chosen)
             if outcome.params is not None and decode is not None and decode.routable:
@@ -478,30 +519,19 @@ class Proxy:
         """Await `pending` (an answer's headers, a stream's first chunk); `Stalled` when the replica shows no
         progress on any request for a whole `first_byte_timeout_s` window. A replica that is slow but moving
         (decoding other requests, engine token counters rising) is waited for, window after window."""
-        loop = asyncio.get_running_loop()
         window = self.settings.first_byte_timeout_s
-        since = replica.progress_at
-        handle: asyncio.TimerHandle | None = None
+        watch: _ProgressWatch | None = None
         try:
             async with asyncio.timeout(None) as deadline:
-
-                def check() -> None:
-                    nonlocal handle, since
-                    if replica.progress_at > since:
-                        since = replica.progress_at
-                        handle = loop.call_later(window, check)
-                    else:
-                        deadline.reschedule(loop.time())
-
-                handle = loop.call_later(window, check)
+                watch = _ProgressWatch(replica, window, deadline)
                 return await pending
         except TimeoutError:
             if deadline.expired():
                 raise Stalled(f"no first byte within {window:g}s and no progress on any request") from None
             raise
         finally:
-            if handle is not None:
-                handle.cancel()
+            if watch is not None:
+                watch.cancel()
 
     def _bad_answer(self, replica: ReplicaState, request_id: str, label: str, reason: str) -> Refused:
         """An answer that is the replica's fault (a redirect, a stream without SSE): counted, retried elsewhere."""
@@ -529,11 +559,10 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError):
             return b"", False
 
-    async def _read_chunk(self, upstream: aiohttp.ClientResponse) -> bytes:
+    def _chunks(self, upstream: aiohttp.ClientResponse) -> ChunkReader:
         # Our own per-chunk deadline on top of the session's sock_read: aiohttp drops its read timer when the
         # replica's chunked framing is malformed mid-body, and the read would never end.
-        async with asyncio.timeout(self.settings.read_timeout_s):
-            return await upstream.content.readany()
+        return ChunkReader(upstream.content, self.settings.read_timeout_s)
 
     async def _forward(
         self,
@@ -557,7 +586,7 @@ class Proxy:
         )
         data = raw
         if answer is not None:
-            self.metrics.non_streaming.labels(replica.name, answer.reason).inc()
+            self.metrics.count_non_streaming(replica.name, answer.reason)
             if answer.plan is Plan.ASSEMBLE:
                 data = answer.streamed_body()
                 # The stream is parsed here: it must come as the replica writes it, not compressed for the client.
@@ -574,6 +603,7 @@ class Proxy:
             self.replicas.record_failure(replica, reason, error)
             self.layouts.forget(replica.name)
             return Refused(reason)
+        chunks: ChunkReader | None = None
         try:
             replica.record_progress()
             status = upstream.status
@@ -594,8 +624,9 @@ class Proxy:
                 return self._bad_answer(replica, request_id, "not_event_stream", reason)
             out_headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
             if upstream.content_type == EVENT_STREAM:
+                chunks = self._chunks(upstream)
                 try:
-                    first = await self._until_first_byte(replica, self._read_chunk(upstream))
+                    first = await self._until_first_byte(replica, chunks.read())
                 except Stalled as stall:
                     self.replicas.record_stall(replica, str(stall))
                     return Refused(str(stall))
@@ -610,9 +641,11 @@ class Proxy:
                 replica.record_progress()
                 if answer is not None and answer.layout is not None:
                     return await self._assemble(
-                        upstream, first, out_headers, route, replica, routed, request_id, start, answer
+                        upstream, chunks, first, out_headers, route, replica, routed, request_id, start, answer
                     )
-                return await self._relay_stream(request, upstream, first, out_headers, route, replica, routed, start)
+                return await self._relay_stream(
+                    request, upstream, chunks, first, out_headers, route, replica, routed, start
+                )
             replica.record_success()
             try:
                 body = await read_capped(upstream, self.settings.max_upstream_body_bytes)
@@ -620,7 +653,7 @@ class Proxy:
                 # The answer is whole but too large to hold: the request asked for it (n, logprobs), so the
                 # replica is not charged and another one would only answer the same.
                 self.replicas.reject(replica, "body_too_large")
-                self.metrics.requests.labels(replica.name, route, "502").inc()
+                self.metrics.count_request(replica.name, route, "502")
                 too_large = RequestError(
                     f"replica {replica.name} answered a {error} (max_upstream_body_bytes)",
                     status=502,
@@ -635,7 +668,7 @@ class Proxy:
                 self._observe_cached(replica, routed, cached)
                 if answer is not None and answer.plan is Plan.LEARN and status == 200:
                     self._learn(replica, answer.parsed.endpoint, body)
-            self.metrics.requests.labels(replica.name, route, str(status)).inc()
+            self.metrics.count_request(replica.name, route, str(status))
             self.metrics.timers(replica.name, route).duration.observe(self.clock() - start)
             return web.Response(status=status, body=body, headers=out_headers)
         except (aiohttp.ClientError, TimeoutError) as error:
@@ -645,6 +678,8 @@ class Proxy:
             self.layouts.forget(replica.name)
             return Refused(reason)
         finally:
+            if chunks is not None:
+                chunks.close()
             upstream.close()
 
     def _learn(self, replica: ReplicaState, endpoint: Endpoint, body: bytes) -> None:
@@ -659,6 +694,7 @@ class Proxy:
     async def _assemble(
         self,
         upstream: aiohttp.ClientResponse,
+        chunks: ChunkReader,
         first: bytes,
         headers: CIMultiDict[str],
         route: str,
@@ -686,7 +722,7 @@ class Proxy:
         try:
             while chunk:
                 collected.feed(chunk)
-                chunk = await self._read_chunk(upstream)
+                chunk = await chunks.read()
                 replica.record_progress()
             collected.close()
             if not collected.done and collected.error is None:
@@ -701,11 +737,11 @@ class Proxy:
             if status >= 500 or status == 429:
                 reason = f"answered {status} in its stream"
                 return Refused(reason, status, collected.error, error_headers, server_error=status >= 500)
-            self.metrics.requests.labels(replica.name, route, str(status)).inc()
+            self.metrics.count_request(replica.name, route, str(status))
             return web.Response(status=status, body=collected.error, headers=error_headers)
         if collected.too_large:
             self.replicas.reject(replica, "body_too_large")
-            self.metrics.requests.labels(replica.name, route, "502").inc()
+            self.metrics.count_request(replica.name, route, "502")
             too_large = RequestError(
                 f"replica {replica.name} answered more than {self.settings.max_upstream_body_bytes} bytes "
                 "(max_upstream_body_bytes)",
@@ -726,7 +762,7 @@ class Proxy:
                 ", ".join(sorted(set(unexpected))),
             )
         self._observe_cached(replica, routed, collected.cached_tokens)
-        self.metrics.requests.labels(replica.name, route, "200").inc()
+        self.metrics.count_request(replica.name, route, "200")
         timers.duration.observe(self.clock() - start)
         headers["Content-Type"] = "application/json"
         return web.Response(status=200, body=body, headers=headers)
@@ -735,6 +771,7 @@ class Proxy:
         self,
         request: web.Request,
         upstream: aiohttp.ClientResponse,
+        chunks: ChunkReader,
         first: bytes,
         headers: CIMultiDict[str],
         route: str,
@@ -742,7 +779,7 @@ class Proxy:
         routed: Routed,
         start: float,
     ) -> web.StreamResponse:
-        response = web.StreamResponse(status=upstream.status, headers=headers)
+        response = RelayedStream(status=upstream.status, headers=headers)
         timers = self.metrics.timers(replica.name, route)
         scanner = UsageScanner()
         status = str(upstream.status)
@@ -755,9 +792,12 @@ class Proxy:
                 timers.ttft.observe(now - start)
             while chunk:
                 scanner.feed(chunk)
+                if chunks.at_end():
+                    # The replica's end came with this chunk: chunk and terminator go out in one send.
+                    break
                 await response.write(chunk)
                 try:
-                    chunk = await self._read_chunk(upstream)
+                    chunk = await chunks.read()
                 except (aiohttp.ClientError, TimeoutError) as error:
                     # Too late to retry: an SSE error event says why (OpenAI clients raise it as an APIError), then
                     # the connection is cut without the chunked terminator so the truncation shows, not a clean end.
@@ -773,14 +813,14 @@ class Proxy:
                         request.transport.close()
                     return response
                 replica.record_progress()
-            await response.write_eof()
+            await response.write_eof(chunk)
         except ConnectionError:
             status = "client_disconnect"
         except asyncio.CancelledError:
             status = "client_disconnect"
             raise
         finally:
-            self.metrics.requests.labels(replica.name, route, status).inc()
+            self.metrics.count_request(replica.name, route, status)
             timers.duration.observe(self.clock() - start)
             scanner.close()
             routed.generated_tokens = scanner.completion_tokens
@@ -875,11 +915,12 @@ class Proxy:
     ) -> web.StreamResponse:
         headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
         response = web.StreamResponse(status=upstream.status, headers=headers)
+        chunks = self._chunks(upstream)
         try:
             await response.prepare(request)
             while True:
                 try:
-                    chunk = await self._read_chunk(upstream)
+                    chunk = await chunks.read()
                 except (aiohttp.ClientError, TimeoutError):
                     if request.transport is not None:
                         request.transport.close()
@@ -892,4 +933,6 @@ class Proxy:
             await response.write_eof()
         except ConnectionError:
             pass  # the client left; closing `upstream` (the caller does) is all that is left to do
+        finally:
+            chunks.close()
         return response

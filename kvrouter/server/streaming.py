@@ -176,7 +176,8 @@ class UsageScanner:
             self._pending = data if len(data) <= _MAX_PENDING_EVENT else b""
             return
         self._pending = data[boundary + 2 :]
-        if _CACHED_TOKENS in data[:boundary]:
+        # Searched in place: a slice would copy every chunk of a stream that carries no usage.
+        if data.find(_CACHED_TOKENS, 0, boundary) >= 0:
             self._scan(data[:boundary])
 
     def close(self) -> None:
