@@ -783,19 +783,24 @@ class Proxy:
         timers = self.metrics.timers(replica.name, route)
         scanner = UsageScanner()
         status = str(upstream.status)
+        first_at: float | None = None
         try:
             await response.prepare(request)
             chunk = first
             if chunk:
-                now = self.clock()
-                routed.first_token(now)
-                timers.ttft.observe(now - start)
+                first_at = self.clock()
+                timers.ttft.observe(first_at - start)
             while chunk:
                 scanner.feed(chunk)
                 if chunks.at_end():
                     # The replica's end came with this chunk: chunk and terminator go out in one send.
                     break
                 await response.write(chunk)
+                if first_at is not None:
+                    # The first token's bookkeeping (load book, cost refit, listeners) after the client has it,
+                    # timed when it arrived: a refit must not delay the first byte.
+                    routed.first_token(first_at)
+                    first_at = None
                 try:
                     chunk = await chunks.read()
                 except (aiohttp.ClientError, TimeoutError) as error:
@@ -820,6 +825,8 @@ class Proxy:
             status = "client_disconnect"
             raise
         finally:
+            if first_at is not None:
+                routed.first_token(first_at)
             self.metrics.count_request(replica.name, route, status)
             timers.duration.observe(self.clock() - start)
             scanner.close()
