@@ -8,7 +8,8 @@ prompts and fresh engines, so rows differ only by routing.
 
 Several routers (`kvrouter.replay.routers`): `--routers 4 --spread random --share-delay-ms off,0,10,50,200` replays
 each policy through four router instances, once per sharing setting (`off`: each counts only its own load), one
-row each, labelled `<policy>@k4-share<ms>` or `<policy>@k4-unshared`.
+row each, labelled `<policy>@k4-share<ms>` or `<policy>@k4-unshared`; with a delay each instance decides through
+its blind group (kvrouter/routing/herding.py); `--blind-group on,off` adds the plain policy's row (`...-herd`).
 
 Session hints: `--sessions off,soft,sticky` replays each policy once per mode, the trace's conversations as
 sessions (`kvrouter.replay.trace.conversations`), labelled `<policy>`, `<policy>+soft`, `<policy>+sticky`.
@@ -107,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--share-delay-ms",
         default="0",
         help="Comma-separated delays before one router's load reaches the others (`off`: not shared); one row each.",
+    )
+    parser.add_argument(
+        "--blind-group",
+        default="on",
+        help="With a share delay, decide through the blind group (kvrouter/routing/herding.py): on, off, or on,off "
+        "for one row each (`-herd`: off).",
     )
     parser.add_argument(
         "--flow",
@@ -208,6 +215,14 @@ def replay_policy_object(name: str, settings: Settings, clock: VirtualClock) -> 
     return build_policy(name, settings, clock=clock)
 
 
+def blind_groups(text: str) -> list[bool]:
+    values = {"on": True, "off": False}
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or any(item not in values for item in items):
+        raise ConfigError(f"--blind-group: expected on, off or on,off, got {text!r}")
+    return [values[item] for item in items]
+
+
 def share_delays(text: str) -> list[float | None]:
     """`off,0,10,50` -> [None, 0.0, 0.01, 0.05] (seconds; None: load not shared)."""
     delays: list[float | None] = []
@@ -282,7 +297,8 @@ def row_label(
         return policy + queue
     delay = spread.share_delay_s
     sharing = "unshared" if delay is None else f"share{delay * 1000:g}ms"
-    return f"{policy}{queue}@k{spread.routers}-{spread.spread}-{sharing}"
+    herd = "-herd" if delay and not spread.blind_group else ""
+    return f"{policy}{queue}@k{spread.routers}-{spread.spread}-{sharing}{herd}"
 
 
 Job = Callable[[], tuple[ReplayResult, float]]
@@ -323,9 +339,11 @@ def run(args: argparse.Namespace) -> int:
         if args.replicas < 1 or args.speedup <= 0:
             raise ConfigError("--replicas must be at least 1 and --speedup positive")
         sharing = share_delays(args.share_delay_ms)
+        blind = blind_groups(args.blind_group)
         spreads = [
-            RouterSpread(routers=args.routers, spread=args.spread, seed=args.seed, share_delay_s=delay)
+            RouterSpread(routers=args.routers, spread=args.spread, seed=args.seed, share_delay_s=delay, blind_group=on)
             for delay in (sharing if args.routers > 1 else [0.0])
+            for on in (blind if delay else [True])
         ]
         profile = get_profile(args.profile)
         speeds = _speeds(args.speeds, args.replicas)
@@ -435,7 +453,12 @@ def run(args: argparse.Namespace) -> int:
         "scrape_interval_s": args.scrape_interval,
         "overrides": args.overrides,
         "lost_removals": args.lost_removals,
-        "routers": {"count": args.routers, "spread": args.spread, "share_delay_ms": args.share_delay_ms},
+        "routers": {
+            "count": args.routers,
+            "spread": args.spread,
+            "share_delay_ms": args.share_delay_ms,
+            "blind_group": args.blind_group,
+        },
         "flow": {"rows": args.flow, "overrides": args.flow_overrides},
         "tenancy": dataclasses.asdict(tenancy),
         "replicate": args.replicate,

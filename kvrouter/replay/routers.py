@@ -6,9 +6,12 @@ counts only the load it routed itself, unless load is shared: then each change o
 a replica (a request routed, its first token, its end) reaches every other instance `delay_s` later, as the
 live load plane (`kvrouter.redisplane.loadplane`) delivers it, and so do the provisional prefixes it marked when
 routing. Arrivals are spread over the instances round-robin, or at random from `seed` (a plain load balancer).
+With a share delay, each instance decides through a `BlindGroup` (`kvrouter.routing.herding`, as a live router
+with shared load does) whose horizon is the delay and whose random source is seeded from `seed` and the
+instance's number; `blind_group` False leaves it out (the plain policy: the herd, for comparison).
 
 Knobs (`RouterSpread`): `routers` (K), `spread` (`round_robin` | `random`), `seed`, `share_delay_s` (None: no
-sharing; 0: instant).
+sharing; 0: instant), `blind_group`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 from kvrouter.index import PrefixIndex
 from kvrouter.routing.feedback import FeedbackLookup
+from kvrouter.routing.herding import BlindGroupConfig
 from kvrouter.routing.lifecycle import EventListener
 from kvrouter.routing.load import LoadBook, OwnLoad
 from kvrouter.routing.router import Router
@@ -34,6 +38,16 @@ class RouterSpread:
     seed: int = 0
     share_delay_s: float | None = 0.0
     """Seconds before an instance's load change reaches the others; None: load is not shared at all."""
+    blind_group: bool = True
+    """With a share delay: decide through `kvrouter.routing.herding.BlindGroup` (False: the plain policy)."""
+
+    def blind_group_config(self) -> BlindGroupConfig | None:
+        """What each instance's `BlindGroup` is built from; None when there is none (one router, no sharing,
+        instant sharing, or turned off)."""
+        delay = self.share_delay_s
+        if self.routers == 1 or not self.blind_group or delay is None or delay == 0:
+            return None
+        return BlindGroupConfig(horizon_s=delay)
 
     def __post_init__(self) -> None:
         if self.routers < 1:
@@ -93,7 +107,10 @@ def deliver(instances: list[RouterInstance], report: LoadReport, now: float) -> 
         if number == report.source:
             continue
         if report.load is not None:
-            instance.load.fold_peer(instances[report.source].name, report.replica, report.load)
+            dispatched = instance.load.fold_peer(instances[report.source].name, report.replica, report.load)
+            blind_group = instance.router.blind_group
+            if blind_group is not None:
+                blind_group.peer_dispatched(dispatched, now)
         if report.keys and instance.router.index is not None:
             instance.router.index.add_provisional(report.replica, report.keys, now)
 
