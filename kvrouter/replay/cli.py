@@ -9,7 +9,8 @@ prompts and fresh engines, so rows differ only by routing.
 Several routers (`kvrouter.replay.routers`): `--routers 4 --spread random --share-delay-ms off,0,10,50,200` replays
 each policy through four router instances, once per sharing setting (`off`: each counts only its own load), one
 row each, labelled `<policy>@k4-share<ms>` or `<policy>@k4-unshared`; with a delay each instance decides through
-its blind group (kvrouter/routing/herding.py); `--blind-group on,off` adds the plain policy's row (`...-herd`).
+its blind group (kvrouter/routing/herding.py); `--blind-group on,random,off` adds its random-place row
+(`...-randomplace`) and the plain policy's (`...-herd`).
 
 Session hints: `--sessions off,soft,sticky` replays each policy once per mode, the trace's conversations as
 sessions (`kvrouter.replay.trace.conversations`), labelled `<policy>`, `<policy>+soft`, `<policy>+sticky`.
@@ -53,7 +54,7 @@ from kvrouter.replay.driver import (
 from kvrouter.replay.hotspot import hot_spot
 from kvrouter.replay.prompts import PromptCatalog
 from kvrouter.replay.report import summarize, table, write_outputs
-from kvrouter.replay.routers import RouterSpread
+from kvrouter.replay.routers import BLIND_GROUPS, RouterSpread
 from kvrouter.replay.tenancy import Tenancy, assign
 from kvrouter.replay.trace import TraceError, conversations, load_trace, unshared
 from kvrouter.routing.disagg import DisaggSettings
@@ -112,8 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--blind-group",
         default="on",
-        help="With a share delay, decide through the blind group (kvrouter/routing/herding.py): on, off, or on,off "
-        "for one row each (`-herd`: off).",
+        help="With a share delay, decide through the blind group (kvrouter/routing/herding.py): on (ranked "
+        "places), random (random places), off; a comma list for one row each (`-randomplace`, `-herd`).",
     )
     parser.add_argument(
         "--flow",
@@ -215,12 +216,11 @@ def replay_policy_object(name: str, settings: Settings, clock: VirtualClock) -> 
     return build_policy(name, settings, clock=clock)
 
 
-def blind_groups(text: str) -> list[bool]:
-    values = {"on": True, "off": False}
+def blind_groups(text: str) -> list[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items or any(item not in values for item in items):
-        raise ConfigError(f"--blind-group: expected on, off or on,off, got {text!r}")
-    return [values[item] for item in items]
+    if not items or any(item not in BLIND_GROUPS for item in items):
+        raise ConfigError(f"--blind-group: expected some of {', '.join(BLIND_GROUPS)}, got {text!r}")
+    return items
 
 
 def share_delays(text: str) -> list[float | None]:
@@ -297,7 +297,7 @@ def row_label(
         return policy + queue
     delay = spread.share_delay_s
     sharing = "unshared" if delay is None else f"share{delay * 1000:g}ms"
-    herd = "-herd" if delay and not spread.blind_group else ""
+    herd = {"on": "", "random": "-randomplace", "off": "-herd"}[spread.blind_group] if delay else ""
     return f"{policy}{queue}@k{spread.routers}-{spread.spread}-{sharing}{herd}"
 
 
@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         spreads = [
             RouterSpread(routers=args.routers, spread=args.spread, seed=args.seed, share_delay_s=delay, blind_group=on)
             for delay in (sharing if args.routers > 1 else [0.0])
-            for on in (blind if delay else [True])
+            for on in (blind if delay else ["on"])
         ]
         profile = get_profile(args.profile)
         speeds = _speeds(args.speeds, args.replicas)

@@ -361,6 +361,10 @@ class Replay:
                 mode=options.session_mode, max_sessions=options.session_max, ttl_s=options.session_ttl_s
             )
         blind = options.routers.blind_group_config()
+        group = None
+        if blind is not None:
+            group = BlindGroup(blind, random.Random(f"{options.routers.seed}/{number}"))
+            group.rank_among(number, options.routers.routers)
         router = Router(
             policy=policy,
             load=load,
@@ -368,7 +372,7 @@ class Replay:
             hash_seed=self.options.hash_seed,
             listeners=overlays.request_listeners,
             sessions=sessions,
-            blind_group=None if blind is None else BlindGroup(blind, random.Random(f"{options.routers.seed}/{number}")),
+            blind_group=group,
             clock=self.clock,
         )
         return RouterInstance(

@@ -8,7 +8,8 @@ live load plane (`kvrouter.redisplane.loadplane`) delivers it, and so do the pro
 routing. Arrivals are spread over the instances round-robin, or at random from `seed` (a plain load balancer).
 With a share delay, each instance decides through a `BlindGroup` (`kvrouter.routing.herding`, as a live router
 with shared load does) whose horizon is the delay and whose random source is seeded from `seed` and the
-instance's number; `blind_group` False leaves it out (the plain policy: the herd, for comparison).
+instance's number, its rank the instance's number; `blind_group` `random` takes random places, `off` leaves the
+blind group out (the plain policy: the herd, for comparison).
 
 Knobs (`RouterSpread`): `routers` (K), `spread` (`round_robin` | `random`), `seed`, `share_delay_s` (None: no
 sharing; 0: instant), `blind_group`.
@@ -29,6 +30,7 @@ from kvrouter.routing.survival import SurvivalLookup
 from kvrouter.typedefs import BlockKey, ReplicaName
 
 SPREADS = ("round_robin", "random")
+BLIND_GROUPS = ("on", "random", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,16 +40,17 @@ class RouterSpread:
     seed: int = 0
     share_delay_s: float | None = 0.0
     """Seconds before an instance's load change reaches the others; None: load is not shared at all."""
-    blind_group: bool = True
-    """With a share delay: decide through `kvrouter.routing.herding.BlindGroup` (False: the plain policy)."""
+    blind_group: str = "on"
+    """With a share delay: decide through `kvrouter.routing.herding.BlindGroup` (`on`: ranked places, `random`:
+    random places) or not (`off`: the plain policy)."""
 
     def blind_group_config(self) -> BlindGroupConfig | None:
         """What each instance's `BlindGroup` is built from; None when there is none (one router, no sharing,
         instant sharing, or turned off)."""
         delay = self.share_delay_s
-        if self.routers == 1 or not self.blind_group or delay is None or delay == 0:
+        if self.routers == 1 or self.blind_group == "off" or delay is None or delay == 0:
             return None
-        return BlindGroupConfig(horizon_s=delay)
+        return BlindGroupConfig(horizon_s=delay, ranked=self.blind_group == "on")
 
     def __post_init__(self) -> None:
         if self.routers < 1:
@@ -56,6 +59,8 @@ class RouterSpread:
             raise ValueError(f"spread must be one of {', '.join(SPREADS)}, got {self.spread!r}")
         if self.share_delay_s is not None and self.share_delay_s < 0:
             raise ValueError("share_delay_s must not be negative")
+        if self.blind_group not in BLIND_GROUPS:
+            raise ValueError(f"blind_group must be one of {', '.join(BLIND_GROUPS)}, got {self.blind_group!r}")
 
 
 @dataclass(slots=True)
@@ -115,4 +120,4 @@ def deliver(instances: list[RouterInstance], report: LoadReport, now: float) -> 
             instance.router.index.add_provisional(report.replica, report.keys, now)
 
 
-__all__ = ["SPREADS", "LoadReport", "RouterInstance", "RouterSpread", "Spreader", "deliver"]
+__all__ = ["BLIND_GROUPS", "SPREADS", "LoadReport", "RouterInstance", "RouterSpread", "Spreader", "deliver"]

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
+from kvrouter.typedefs import ReplicaName
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,8 @@ class BlindGroupConfig:
     horizon_s: float
     window: int = 64
     max_group: int = 32
+    ranked: bool = True
+    """Take the place this instance's rank gives (when it knows its rank); False: always a random place."""
 
     def __post_init__(self) -> None:
         if self.horizon_s < 0:
@@ -62,6 +65,13 @@ class _Window:
     unseen: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Placeholder:
+    placed: float
+    replica: ReplicaName
+    tokens: int
+
+
 class BlindGroup:
     """One instance's estimate of the peers' decisions it could not see, and the decision that accounts for them."""
 
@@ -69,32 +79,45 @@ class BlindGroup:
         self.config = config
         self.rng = rng
         self._open: deque[_Window] = deque()
+        self._live: deque[_Placeholder] = deque()
         self._unseen_mean = 0.0
         self._tokens_mean = 0.0
         self._closed = 0
         self._size_draw = rng.random()
         self._place_draw = rng.random()
+        self._planned: tuple[Decision, list[ReplicaName]] | None = None
+        self._rank: int | None = None
+        self._instances = 1
         self.placed = 0
-        """Placeholders placed ahead of committed decisions, in all (a counter for the metrics and the replay)."""
+        """Placeholders placed, in all (the replay reports it)."""
 
     # -- what the instance hears ---------------------------------------------------------------------------------
 
     def peer_dispatched(self, count: int, now: float) -> None:
-        """Peers' reports just folded in show `count` more requests in flight (dispatches they made)."""
+        """Peers' reports just folded in show `count` more requests in flight (dispatches they made): each was
+        unseen by the decisions of the last `horizon_s`, and stands for one placeholder, which it retires."""
         self._close(now)
         if count <= 0:
             return
         for window in self._open:
             if window.opened < now:
                 window.unseen += count
+        for _ in range(min(count, len(self._live))):
+            self._live.popleft()
 
-    def committed(self, now: float, uncached_tokens: int, ahead: int) -> None:
-        """This instance acted on a decision (`ahead` placeholders were placed before it): open its window."""
+    def committed(self, decision: Decision, uncached_tokens: int, now: float) -> None:
+        """This instance acted on `decision`: its window opens, and the placeholders placed ahead of it stay (until
+        the peers' reports retire them or the horizon passes)."""
         self._close(now)
         self._open.append(_Window(now))
         weight = 1.0 / min(self._closed + 1, self.config.window)
         self._tokens_mean += (max(0, uncached_tokens) - self._tokens_mean) * weight
-        self.placed += ahead
+        planned = self._planned
+        if planned is not None and planned[0] == decision:
+            tokens = self.placeholder_tokens()
+            self._live.extend(_Placeholder(now, replica, tokens) for replica in planned[1])
+            self.placed += len(planned[1])
+        self._planned = None
         self._size_draw = self.rng.random()
         self._place_draw = self.rng.random()
 
@@ -105,6 +128,8 @@ class BlindGroup:
             self._closed += 1
             weight = 1.0 / min(self._closed, self.config.window)
             self._unseen_mean += (window.unseen - self._unseen_mean) * weight
+        while self._live and now - self._live[0].placed > horizon:
+            self._live.popleft()
 
     # -- the estimate and the decision -----------------------------------------------------------------------------
 
@@ -113,18 +138,40 @@ class BlindGroup:
         self._close(now)
         return self._unseen_mean
 
+    @property
+    def measured_unseen(self) -> float:
+        """The mean as of the last window closed (what the metrics show; no clock needed)."""
+        return self._unseen_mean
+
     def placeholder_tokens(self) -> int:
         """The size given to a peer's unseen request: the mean uncached prompt of this instance's dispatches."""
         return round(self._tokens_mean)
 
     def ahead(self, now: float) -> int:
-        """How many of the blind group are placed before the next decision (drawn at the last commit)."""
+        """How many of the blind group go before the next decision: its size drawn around the expected one, the
+        place uniform, but never before the placeholders already standing (placed ahead of this instance's
+        earlier decisions in the window: the group's order does not go back)."""
         expected = min(self.expected_unseen(now), float(self.config.max_group))
+        standing = len(self._live)
         if expected <= 0:
-            return 0
+            return standing
         whole = math.floor(expected)
         size = whole + (1 if self._size_draw < expected - whole else 0)
-        return min(size, math.floor(self._place_draw * (size + 1)))
+        if size <= standing:
+            return standing
+        if self._rank is not None:
+            # A place of its own: the group's members arrive round-robin over the instances, so this instance's
+            # j-th decision in the window follows j rounds of the peers and those ranked before it.
+            earlier = len(self._open)
+            peers = self._instances - 1
+            return max(standing, min(size, earlier * peers + self._rank))
+        return standing + min(size - standing, math.floor(self._place_draw * (size - standing + 1)))
+
+    def rank_among(self, rank: int, instances: int) -> None:
+        """This instance is number `rank` (from 0) of `instances` sharing load: it then takes that place in the
+        blind group instead of a random one, so instances reading the same view take different places."""
+        self._rank = rank if instances > 1 and self.config.ranked else None
+        self._instances = instances
 
     def select(self, policy: Policy, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
         """The policy's decision for `request` with the peers' unseen requests ahead of it placed first. No side
@@ -133,24 +180,31 @@ class BlindGroup:
         if ahead == 0:
             return policy.select(request, candidates)
         tokens = self.placeholder_tokens()
-        placeholder = RouteRequest(prompt_tokens=tokens)
         loaded = list(candidates)
         added = [0] * len(loaded)
         position = {candidate.replica: number for number, candidate in enumerate(loaded)}
-        for _ in range(ahead):
-            bare = [replace(c, cached_tokens=0, cpu_tokens=0, storage_tokens=0) for c in loaded]
-            number = position[policy.select(placeholder, bare).chosen]
+
+        def place(number: int, size: int) -> None:
             load = loaded[number].load
-            loaded[number] = replace(
-                loaded[number],
-                load=replace(
-                    load,
-                    in_flight=load.in_flight + 1,
-                    pending_prefill_tokens=load.pending_prefill_tokens + tokens,
-                    peer_pending_prefill_tokens=load.peer_pending_prefill_tokens + tokens,
-                ),
+            extra = replace(
+                load,
+                in_flight=load.in_flight + 1,
+                pending_prefill_tokens=load.pending_prefill_tokens + size,
+                peer_pending_prefill_tokens=load.peer_pending_prefill_tokens + size,
             )
-            added[number] += tokens
+            loaded[number] = replace(loaded[number], load=extra)
+            added[number] += size
+
+        for standing in self._live:
+            if standing.replica in position:
+                place(position[standing.replica], standing.tokens)
+        placeholder = RouteRequest(prompt_tokens=tokens)
+        new: list[ReplicaName] = []
+        for _ in range(ahead - len(self._live)):
+            bare = [replace(c, cached_tokens=0, cpu_tokens=0, storage_tokens=0) for c in loaded]
+            chosen = policy.select(placeholder, bare).chosen
+            place(position[chosen], tokens)
+            new.append(chosen)
         decision = policy.select(request, loaded)
         scores = tuple(
             replace(
@@ -165,7 +219,9 @@ class BlindGroup:
             else score
             for score in decision.candidates
         )
-        return Decision(decision.chosen, scores, without_hint=decision.without_hint)
+        decision = Decision(decision.chosen, scores, without_hint=decision.without_hint)
+        self._planned = (decision, new)
+        return decision
 
 
 __all__ = ["BlindGroup", "BlindGroupConfig"]

@@ -201,11 +201,11 @@ class Router:
             max_tokens=facts.max_tokens,
             session_replica=None if sticky else hinted,
         )
-        candidates = self.candidates(facts, routes)
+        offered = self.candidates(facts, routes)
         if self.blind_group is None:
-            decision = self.policy.select(request, candidates)
+            decision = self.policy.select(request, offered)
         else:
-            decision = self.blind_group.select(self.policy, request, candidates, self.clock())
+            decision = self.blind_group.select(self.policy, request, offered, self.clock())
         if sticky and hinted is not None:
             # Strict stickiness: the session's replica while it is routable, whatever the policy thinks of it.
             candidates = tuple(
@@ -273,8 +273,7 @@ class Router:
             leg=leg,
         )
         if self.blind_group is not None and policy is self.policy:
-            ahead = chosen.breakdown.get("blind_group_ahead", 0.0) if chosen is not None else 0.0
-            self.blind_group.committed(now, routed.ticket.prefill_tokens, int(ahead))
+            self.blind_group.committed(decision, routed.ticket.prefill_tokens, now)
         for listener in self.listeners:
             listener.on_commit(routed)
         return routed

@@ -181,6 +181,9 @@ class LoadShare:
         if peer is not None and report.seq <= peer.seq:
             self.problems["stale"] += 1
             return False
+        if report.instance not in self._peers:
+            self._peers[report.instance] = _Peer(report.seq, now)
+            self._rank()
         self._peers[report.instance] = _Peer(report.seq, now)
         reported = set()
         dispatched = 0
@@ -235,7 +238,15 @@ class LoadShare:
             del self._peers[name]
             self.load.drop_peer(name)
         self.expired += len(gone)
+        if gone:
+            self._rank()
         return gone
+
+    def _rank(self) -> None:
+        """The blind group takes this instance's place among the live ones (sorted by name, alike everywhere)."""
+        if self.blind_group is not None:
+            names = sorted([*self._peers, self.instance])
+            self.blind_group.rank_among(names.index(self.instance), len(names))
 
     def peers(self) -> list[str]:
         return sorted(self._peers)
