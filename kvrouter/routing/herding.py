@@ -5,31 +5,38 @@ fleet, but a peer's decision reaches it only a staleness `horizon_s` later. Requ
 instances within that window are decided blind to each other, and, the picture being the same, a deterministic
 argmin sends them all to the same replica. This is the herd effect of "How useful is old information?"
 (Mitzenmacher, IEEE TPDS 11(1), 2000): with stale load, every chooser that takes the least loaded server herds onto
-it, and doing so is worse than ignoring the information; choices that spread (a random pick among the few best)
-are not hurt by staleness.
+it, which can be worse than using no information; choices that differ between the choosers are not hurt so.
 
 What `BlindGroup` does. It measures how blind this instance is: each decision opens a window of `horizon_s`, and
 every peer dispatch reported inside it (a rise of a peer's in-flight count on a replica) was made before the
-decision or after it, but before this instance's own report reached that peer: either way the two were decided
-blind to each other. The counts, averaged over the last `window` decisions, give the expected size of the blind
-group (`expected_unseen`): measured in the arrival pattern the fleet really has — Poisson arrivals at a share
-delay of 50 ms give a fraction of a peer, a trace whose requests arrive in same-millisecond bursts gives nearly
-the whole burst — instead of assumed from a rate. It then decides as one router that saw the whole group at once
-would, in an order it cannot know: it draws its place in the group uniformly (the group's members are alike, so
-every place is equally likely), has the policy place the peers ahead of it as average requests (their size is the
-mean uncached prompt of this instance's own recent dispatches, arrivals being spread evenly over the instances;
-they carry no cache affinity, so they land by load) and decides its own request on that picture. The instances
-then spread over the places a coordinated router would have used, and a request with a strong cache hit keeps it
-(the peers' placeholders load every replica about alike).
+decision or after it but before this instance's report reached that peer: either way the two were decided blind
+to each other. The counts, averaged over the last `window` decisions, give the expected number of peers in the
+blind group (`expected_unseen`), measured in the arrival pattern the fleet really has — Poisson arrivals 50 ms
+stale give a fraction of a peer, a trace whose requests arrive in same-millisecond bursts gives nearly the whole
+burst — instead of assumed from a rate. The instance then decides as one router that saw the whole group in order
+would: the peers ahead of it are placed first, as placeholders, by the policy itself (a placeholder is an average
+request: the mean uncached prompt of this instance's own recent dispatches, arrivals being spread evenly; it
+carries no cache affinity, so it lands by load), and its own request is decided on that picture. A placeholder
+stands until a peer's report retires it (one per dispatch heard) or the horizon passes, so this instance's next
+decisions in the same window see it too.
+
+Its place in the group. Arrivals spread round-robin reach the instances in turn, so the j-th decision of the
+instance ranked r (of K live instances, sorted by name: every instance ranks alike) follows j x (K - 1) + r peers;
+capped by the group's size (the measured mean, rounded at random). Instances reading the same picture thus take
+different places, as the issue's "distinct tie-breaking" but over every candidate the placeholders make
+near-equal, not just exact ties. Without a rank (`ranked` False, or no peer known yet) the place is drawn uniformly
+in the group, Mitzenmacher's randomised choice.
 
 Neutral where there is nothing to fix: with one instance, or instant sharing (nothing is ever reported within a
 window that opened at the same instant), the group is empty and the decision is the policy's own, untouched. The
-random draws are made when a decision is committed, so `decide` stays free of side effects (`/debug/route` shows
-the next decision as it will be made); the random source is a parameter (seeded per instance in the replay).
-A decision taken behind placeholders says so in its breakdown (`blind_group_ahead`, `blind_placeholder_tokens`).
+random draws are made when a decision is committed, so `select` gives the same answer until then (`/debug/route`
+shows the next decision as it will be made); the random source is a parameter (seeded per instance in the
+replay). A decision taken behind placeholders says so in its breakdown (`blind_group_ahead`,
+`blind_placeholder_tokens`).
 
 Knobs: `horizon_s` (the plane's staleness: the replay's share delay; live, the share interval plus one hop, taken
-as two intervals), `window` (decisions averaged; 64), `max_group` (most placeholders one decision places; 32).
+as two intervals), `window` (decisions averaged; 64), `max_group` (most placeholders one decision places; 32),
+`ranked`.
 """
 
 from __future__ import annotations
