@@ -174,6 +174,11 @@ class BlindGroup:
             return max(standing, min(size, earlier * peers + self._rank))
         return standing + min(size - standing, math.floor(self._place_draw * (size - standing + 1)))
 
+    @property
+    def rank(self) -> tuple[int, int] | None:
+        """(this instance's rank, live instances), once it knows them and takes ranked places; else None."""
+        return None if self._rank is None else (self._rank, self._instances)
+
     def rank_among(self, rank: int, instances: int) -> None:
         """This instance is number `rank` (from 0) of `instances` sharing load: it then takes that place in the
         blind group instead of a random one, so instances reading the same view take different places."""
