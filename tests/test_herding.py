@@ -151,3 +151,12 @@ def test_placeholders_go_ahead_by_load_and_a_strong_cache_hit_is_kept() -> None:
         group.committed(decision, 2000, clock.now)
         group.peer_dispatched(3, clock.now + 0.01)
         clock.now += 1.0
+
+
+def test_a_burst_of_reported_dispatches_counts_at_most_a_group_cap() -> None:
+    """A joining (or hostile) peer's report can show thousands in flight at once: no window counts beyond the cap."""
+    group = BlindGroup(BlindGroupConfig(horizon_s=0.02, window=4, max_group=8), random.Random(2))
+    group.committed(NOTHING, 1000, 0.0)
+    group.peer_dispatched(100_000, 0.01)
+    assert group.expected_unseen(0.1) == pytest.approx(8.0)
+    assert group.ahead(0.1) <= 8

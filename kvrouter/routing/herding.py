@@ -106,9 +106,12 @@ class BlindGroup:
         self._close(now)
         if count <= 0:
             return
+        # A joining peer's first report (or a hostile one) can show many at once: no window counts more than a
+        # group's cap, so one report cannot skew the estimate beyond it.
+        cap = self.config.max_group
         for window in self._open:
             if window.opened < now:
-                window.unseen += count
+                window.unseen = min(cap, window.unseen + count)
         for _ in range(min(count, len(self._live))):
             self._live.popleft()
 

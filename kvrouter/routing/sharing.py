@@ -181,10 +181,10 @@ class LoadShare:
         if peer is not None and report.seq <= peer.seq:
             self.problems["stale"] += 1
             return False
-        if report.instance not in self._peers:
-            self._peers[report.instance] = _Peer(report.seq, now)
-            self._rank()
+        joined = peer is None
         self._peers[report.instance] = _Peer(report.seq, now)
+        if joined:
+            self._rank()
         reported = set()
         dispatched = 0
         for entry in report.replicas:
