@@ -432,6 +432,12 @@ class Settings(BaseSettings):
     load_share_interval_s: float = Field(
         default=0.02, gt=0, le=1.0, description="Shortest time between two load reports (the staleness bound)."
     )
+    load_share_blind_group: bool = Field(
+        default=True,
+        description="With shared load: place the peers' decisions this instance cannot see yet (two share intervals) "
+        "before deciding, so instances reading the same stale load do not herd onto one replica "
+        "(kvrouter/routing/herding.py, docs/scaling.md).",
+    )
     load_share_heartbeat_s: float = Field(
         default=0.5, gt=0, le=10.0, description="Publish a load report this often even when nothing changed."
     )

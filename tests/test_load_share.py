@@ -20,7 +20,7 @@ from kvrouter.index import PrefixIndex
 from kvrouter.redisplane.loadplane import CHANNEL, load_plane_client
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.sharing import LoadReport, LoadShare, ReplicaCounts, RoutedPrefix, ShareLimits
-from kvrouter.server.app import LOAD, create_app
+from kvrouter.server.app import LOAD, ROUTER, create_app
 from kvrouter.typedefs import BlockKey, ReplicaName
 from tests.conftest import ReplicaFactory, eventually, router_settings
 from tests.redis_fixtures import RedisServer, redis_server  # noqa: F401  (fixture)
@@ -160,6 +160,10 @@ async def test_two_routers_share_load_and_ignore_a_hostile_peer(
     took = await eventually(lambda: sum(book_b.snapshot(r.name).in_flight for r in replicas) == 3, what="shared")
     assert book_b.in_flight_total() == 0 and book_b.peer_in_flight() == 3
     assert took < 1.0
+    # Both decide through a blind group (kvrouter/routing/herding.py), each ranked among the two instances.
+    groups = [client.app[ROUTER].blind_group for client in clients]
+    await eventually(lambda: all(g is not None and g.rank is not None for g in groups), what="ranked")
+    assert sorted(g.rank for g in groups if g is not None) == [(0, 2), (1, 2)]  # type: ignore[type-var]
 
     # A hostile client on the same channel: absurd and garbage reports change nothing, and are counted.
     hostile = Redis.from_url(redis_server.url)
@@ -184,6 +188,7 @@ async def test_two_routers_share_load_and_ignore_a_hostile_peer(
     assert 'kvrouter_load_share_problems_total{reason="undecodable"} 1.0' in metrics
     assert sum(book_b.snapshot(r.name).in_flight for r in replicas) == 3
     assert "kvrouter_load_share_peers 1.0" in metrics
+    assert "kvrouter_load_share_blind_placeholders_total" in metrics
 
     hold.set()
     for stream in streams:

@@ -126,3 +126,43 @@ def test_cli_rows_per_sharing_setting(capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "kv_aware@k2-round_robin-unshared" in out and "kv_aware@k2-round_robin-share10ms" in out
     assert main([*argv[:-1], "--share-delay-ms", "later"]) == 2
+
+
+def busiest_share(result: ReplayResult) -> float:
+    """Mean share of a burst (requests arriving at the same instant, four or more) taken by its busiest replica."""
+    bursts: dict[float, list[str]] = {}
+    for record in result.records:
+        bursts.setdefault(record.arrival, []).append(record.replica)
+    shares = [max(Counter(burst).values()) / len(burst) for burst in bursts.values() if len(burst) >= 4]
+    assert len(shares) > 20  # the slice has bursts to measure
+    return sum(shares) / len(shares)
+
+
+def test_a_share_delay_decides_through_the_blind_group_and_the_burst_spreads(slice_400: Trace) -> None:
+    """Shared 10 ms late, the instances are blind to each other within a burst: without the blind group they
+    herd onto the replica the shared picture favours; with it they take different places and spread."""
+    spread = RouterSpread(routers=4, share_delay_s=0.01)
+    replay = build(slice_400, spread)
+    result = replay.run()
+    groups = [instance.router.blind_group for instance in replay.instances]
+    assert all(group is not None for group in groups)
+    assert sum(group.placed for group in groups if group is not None) > 100
+    herd = build(slice_400, RouterSpread(routers=4, share_delay_s=0.01, blind_group="off"))
+    assert all(instance.router.blind_group is None for instance in herd.instances)
+    assert busiest_share(result) < busiest_share(herd.run()) - 0.1
+    assert outcome(build(slice_400, spread).run()) == outcome(result)  # the draws are seeded
+    for plain in (RouterSpread(routers=4, share_delay_s=0.0), RouterSpread(routers=4, share_delay_s=None)):
+        assert all(instance.router.blind_group is None for instance in build(slice_400, plain).instances)
+    with pytest.raises(ValueError):
+        RouterSpread(routers=2, blind_group="maybe")
+
+
+def test_cli_blind_group_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", str(shared(MOONCAKE_CONVERSATION)), "--policies", "kv_aware", "--limit", "80", "--no-floor"]
+    argv += ["--routers", "2", "--share-delay-ms", "0,10", "--blind-group", "on,random,off", "--jobs", "1", "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for label in ("share0ms", "share10ms", "share10ms-randomplace", "share10ms-herd"):
+        assert f"kv_aware@k2-round_robin-{label}" in out
+    assert "share0ms-herd" not in out  # instant sharing has no blind group to turn off
+    assert main([*argv[:-1], "--blind-group", "sometimes"]) == 2

@@ -371,6 +371,9 @@ class KvAwarePolicy:
             # (the index's prediction, whatever credit the hot-spot guard withheld).
             work = breakdown["queued_prefill_tokens"] + max(0.0, breakdown["prompt_tokens"] - chosen.cached_tokens)
             work += breakdown.get("tier_load_tokens", 0.0)  # loading offloaded blocks, in tokens of prefill
+            # Placeholders for peers' unseen requests (kvrouter/routing/herding.py) are a guess, not an observation:
+            # the fit learns from the queue that was known, or its own guesses would feed back into it.
+            work -= breakdown.get("blind_placeholder_tokens", 0.0)
             batch = self.config.batch_tokens
             observation = Observation(
                 work, max(0.0, 1.0 - work / batch), max(1.0, work / batch), breakdown["decode_requests"], ttft_s

@@ -20,7 +20,9 @@ or carries absurd values is ignored and counted (`kvrouter_load_share_problems_t
 Metrics: `kvrouter_load_share_up`, `kvrouter_load_share_peers`, `kvrouter_load_share_published_total`,
 `kvrouter_load_share_published_bytes_total`, `kvrouter_load_share_received_total`,
 `kvrouter_load_share_received_bytes_total`, `kvrouter_load_share_expired_total`,
-`kvrouter_load_share_problems_total{reason}`, `kvrouter_load_share_peer_in_flight`.
+`kvrouter_load_share_problems_total{reason}`, `kvrouter_load_share_peer_in_flight`, and with the blind group
+(kvrouter/routing/herding.py) `kvrouter_load_share_blind_peer_decisions`,
+`kvrouter_load_share_blind_placeholders_total`.
 """
 
 from __future__ import annotations
@@ -191,6 +193,19 @@ class LoadPlaneCollector(Collector):
             "Requests in flight that other router instances reported (counted in this instance's load picture).",
             value=share.load.peer_in_flight(),
         )
+        blind = share.blind_group
+        if blind is not None:
+            yield GaugeMetricFamily(
+                "kvrouter_load_share_blind_peer_decisions",
+                "Peers' decisions expected unseen by this instance's next one (mean over recent decisions; "
+                "kvrouter/routing/herding.py).",
+                value=blind.measured_unseen,
+            )
+            yield CounterMetricFamily(
+                "kvrouter_load_share_blind_placeholders",
+                "Placeholders for peers' unseen requests placed before this instance's decisions.",
+                value=blind.placed,
+            )
         counters = (
             ("published", "Load reports this instance published.", stats.published),
             ("published_bytes", "Bytes of load reports this instance published.", stats.published_bytes),

@@ -8,7 +8,9 @@ prompts and fresh engines, so rows differ only by routing.
 
 Several routers (`kvrouter.replay.routers`): `--routers 4 --spread random --share-delay-ms off,0,10,50,200` replays
 each policy through four router instances, once per sharing setting (`off`: each counts only its own load), one
-row each, labelled `<policy>@k4-share<ms>` or `<policy>@k4-unshared`.
+row each, labelled `<policy>@k4-share<ms>` or `<policy>@k4-unshared`; with a delay each instance decides through
+its blind group (kvrouter/routing/herding.py); `--blind-group on,random,off` adds its random-place row
+(`...-randomplace`) and the plain policy's (`...-herd`).
 
 Session hints: `--sessions off,soft,sticky` replays each policy once per mode, the trace's conversations as
 sessions (`kvrouter.replay.trace.conversations`), labelled `<policy>`, `<policy>+soft`, `<policy>+sticky`.
@@ -56,7 +58,7 @@ from kvrouter.replay.driver import (
 from kvrouter.replay.hotspot import hot_spot
 from kvrouter.replay.prompts import PromptCatalog
 from kvrouter.replay.report import summarize, table, write_outputs
-from kvrouter.replay.routers import RouterSpread
+from kvrouter.replay.routers import BLIND_GROUPS, RouterSpread
 from kvrouter.replay.tenancy import Tenancy, assign
 from kvrouter.replay.trace import TraceError, conversations, load_trace, unshared
 from kvrouter.routing.disagg import DisaggSettings
@@ -116,6 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--share-delay-ms",
         default="0",
         help="Comma-separated delays before one router's load reaches the others (`off`: not shared); one row each.",
+    )
+    parser.add_argument(
+        "--blind-group",
+        default="on",
+        help="With a share delay, decide through the blind group (kvrouter/routing/herding.py): on (ranked "
+        "places), random (random places), off; a comma list for one row each (`-randomplace`, `-herd`).",
     )
     parser.add_argument(
         "--flow",
@@ -224,6 +232,13 @@ def replay_policy_object(name: str, settings: Settings, clock: VirtualClock) -> 
     return build_policy(name, settings, clock=clock)
 
 
+def blind_groups(text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or any(item not in BLIND_GROUPS for item in items):
+        raise ConfigError(f"--blind-group: expected some of {', '.join(BLIND_GROUPS)}, got {text!r}")
+    return items
+
+
 def share_delays(text: str) -> list[float | None]:
     """`off,0,10,50` -> [None, 0.0, 0.01, 0.05] (seconds; None: load not shared)."""
     delays: list[float | None] = []
@@ -298,7 +313,8 @@ def row_label(
         return policy + queue
     delay = spread.share_delay_s
     sharing = "unshared" if delay is None else f"share{delay * 1000:g}ms"
-    return f"{policy}{queue}@k{spread.routers}-{spread.spread}-{sharing}"
+    herd = {"on": "", "random": "-randomplace", "off": "-herd"}[spread.blind_group] if delay else ""
+    return f"{policy}{queue}@k{spread.routers}-{spread.spread}-{sharing}{herd}"
 
 
 Job = Callable[[], tuple[ReplayResult, float]]
@@ -339,9 +355,11 @@ def run(args: argparse.Namespace) -> int:
         if args.replicas < 1 or args.speedup <= 0:
             raise ConfigError("--replicas must be at least 1 and --speedup positive")
         sharing = share_delays(args.share_delay_ms)
+        blind = blind_groups(args.blind_group)
         spreads = [
-            RouterSpread(routers=args.routers, spread=args.spread, seed=args.seed, share_delay_s=delay)
+            RouterSpread(routers=args.routers, spread=args.spread, seed=args.seed, share_delay_s=delay, blind_group=on)
             for delay in (sharing if args.routers > 1 else [0.0])
+            for on in (blind if delay else ["on"])
         ]
         profile = get_profile(args.profile)
         speeds = _speeds(args.speeds, args.replicas)
@@ -456,7 +474,12 @@ def run(args: argparse.Namespace) -> int:
         "scrape_interval_s": args.scrape_interval,
         "overrides": args.overrides,
         "lost_removals": args.lost_removals,
-        "routers": {"count": args.routers, "spread": args.spread, "share_delay_ms": args.share_delay_ms},
+        "routers": {
+            "count": args.routers,
+            "spread": args.spread,
+            "share_delay_ms": args.share_delay_ms,
+            "blind_group": args.blind_group,
+        },
         "flow": {"rows": args.flow, "overrides": args.flow_overrides},
         "tenancy": dataclasses.asdict(tenancy),
         "scheduling_policy": scheduling or profile.scheduling_policy,

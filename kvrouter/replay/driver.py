@@ -42,6 +42,7 @@ flight; a pass starting or ending there replaces it (a stale one is skipped)."""
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -60,6 +61,7 @@ from kvrouter.replay.trace import TraceRequest
 from kvrouter.routing.disagg import DisaggSettings, PdPlan, PdPlanner, is_disaggregated
 from kvrouter.routing.engine_rates import EngineRates
 from kvrouter.routing.feedback import FeedbackLookup
+from kvrouter.routing.herding import BlindGroup
 from kvrouter.routing.lifecycle import Routed, tell_cleared
 from kvrouter.routing.load import EngineGauges, LoadBook, Ticket
 from kvrouter.routing.overlays import build_overlays
@@ -366,6 +368,11 @@ class Replay:
             sessions = SessionTable(
                 mode=options.session_mode, max_sessions=options.session_max, ttl_s=options.session_ttl_s
             )
+        blind = options.routers.blind_group_config()
+        group = None
+        if blind is not None:
+            group = BlindGroup(blind, random.Random(f"{options.routers.seed}/{number}"))
+            group.rank_among(number, options.routers.routers)
         router = Router(
             policy=policy,
             load=load,
@@ -373,6 +380,7 @@ class Replay:
             hash_seed=self.options.hash_seed,
             listeners=overlays.request_listeners,
             sessions=sessions,
+            blind_group=group,
             clock=self.clock,
         )
         return RouterInstance(

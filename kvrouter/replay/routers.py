@@ -6,9 +6,13 @@ counts only the load it routed itself, unless load is shared: then each change o
 a replica (a request routed, its first token, its end) reaches every other instance `delay_s` later, as the
 live load plane (`kvrouter.redisplane.loadplane`) delivers it, and so do the provisional prefixes it marked when
 routing. Arrivals are spread over the instances round-robin, or at random from `seed` (a plain load balancer).
+With a share delay, each instance decides through a `BlindGroup` (`kvrouter.routing.herding`, as a live router
+with shared load does) whose horizon is the delay and whose random source is seeded from `seed` and the
+instance's number, its rank the instance's number; `blind_group` `random` takes random places, `off` leaves the
+blind group out (the plain policy: the herd, for comparison).
 
 Knobs (`RouterSpread`): `routers` (K), `spread` (`round_robin` | `random`), `seed`, `share_delay_s` (None: no
-sharing; 0: instant).
+sharing; 0: instant), `blind_group`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 from kvrouter.index import PrefixIndex
 from kvrouter.routing.feedback import FeedbackLookup
+from kvrouter.routing.herding import BlindGroupConfig
 from kvrouter.routing.lifecycle import EventListener
 from kvrouter.routing.load import LoadBook, OwnLoad
 from kvrouter.routing.router import Router
@@ -25,6 +30,7 @@ from kvrouter.routing.survival import SurvivalLookup
 from kvrouter.typedefs import BlockKey, ReplicaName
 
 SPREADS = ("round_robin", "random")
+BLIND_GROUPS = ("on", "random", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +40,17 @@ class RouterSpread:
     seed: int = 0
     share_delay_s: float | None = 0.0
     """Seconds before an instance's load change reaches the others; None: load is not shared at all."""
+    blind_group: str = "on"
+    """With a share delay: decide through `kvrouter.routing.herding.BlindGroup` (`on`: ranked places, `random`:
+    random places) or not (`off`: the plain policy)."""
+
+    def blind_group_config(self) -> BlindGroupConfig | None:
+        """What each instance's `BlindGroup` is built from; None when there is none (one router, no sharing,
+        instant sharing, or turned off)."""
+        delay = self.share_delay_s
+        if self.routers == 1 or self.blind_group == "off" or delay is None or delay == 0:
+            return None
+        return BlindGroupConfig(horizon_s=delay, ranked=self.blind_group == "on")
 
     def __post_init__(self) -> None:
         if self.routers < 1:
@@ -42,6 +59,8 @@ class RouterSpread:
             raise ValueError(f"spread must be one of {', '.join(SPREADS)}, got {self.spread!r}")
         if self.share_delay_s is not None and self.share_delay_s < 0:
             raise ValueError("share_delay_s must not be negative")
+        if self.blind_group not in BLIND_GROUPS:
+            raise ValueError(f"blind_group must be one of {', '.join(BLIND_GROUPS)}, got {self.blind_group!r}")
 
 
 @dataclass(slots=True)
@@ -93,9 +112,12 @@ def deliver(instances: list[RouterInstance], report: LoadReport, now: float) -> 
         if number == report.source:
             continue
         if report.load is not None:
-            instance.load.fold_peer(instances[report.source].name, report.replica, report.load)
+            dispatched = instance.load.fold_peer(instances[report.source].name, report.replica, report.load)
+            blind_group = instance.router.blind_group
+            if blind_group is not None:
+                blind_group.peer_dispatched(dispatched, now)
         if report.keys and instance.router.index is not None:
             instance.router.index.add_provisional(report.replica, report.keys, now)
 
 
-__all__ = ["SPREADS", "LoadReport", "RouterInstance", "RouterSpread", "Spreader", "deliver"]
+__all__ = ["BLIND_GROUPS", "SPREADS", "LoadReport", "RouterInstance", "RouterSpread", "Spreader", "deliver"]

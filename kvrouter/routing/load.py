@@ -8,7 +8,8 @@ first token comes back (prefill done: the request now decodes), `finish` when it
 Shared load. Several router instances in front of one fleet each count only what they routed themselves; the
 load plane (`kvrouter.redisplane.loadplane`, or the replay's `--routers K`) hands every instance the others'
 own counts per replica: `fold_peer(peer, replica, ...)` replaces that peer's last report for the replica (reports
-are absolute, so a lost or repeated one does no lasting harm), `drop_peer` forgets a peer whose reports expired.
+are absolute, so a lost or repeated one does no lasting harm; it returns the rise of the peer's in-flight count,
+which `kvrouter.routing.herding` counts as the peer's dispatches), `drop_peer` forgets a peer whose reports expired.
 `snapshot` adds the peers' counts to this instance's and says how much of the pending prefill is theirs
 (`ReplicaLoad.peer_pending_prefill_tokens`: a policy that follows its own requests' progress needs its own part).
 `own` gives this instance's counts alone, which is what it publishes.
@@ -129,12 +130,16 @@ class LoadBook:
             for replica, counts in self._counts.items()
         }
 
-    def fold_peer(self, peer: str, replica: ReplicaName, load: OwnLoad) -> None:
-        """`peer`'s latest own counts on `replica`, replacing its previous report (validated by the caller)."""
+    def fold_peer(self, peer: str, replica: ReplicaName, load: OwnLoad) -> int:
+        """`peer`'s latest own counts on `replica`, replacing its previous report (validated by the caller).
+        Returns how many more requests the peer has in flight there than it last reported (its dispatches since,
+        net of its finishes; 0 when fewer)."""
         reports = self._peers.setdefault(peer, {})
-        self._shift(replica, reports.get(replica), -1)
+        previous = reports.get(replica)
+        self._shift(replica, previous, -1)
         reports[replica] = load
         self._shift(replica, load, 1)
+        return max(0, load.in_flight - (previous.in_flight if previous is not None else 0))
 
     def drop_peer(self, peer: str) -> None:
         """`peer` stopped reporting (expired or left): its share no longer counts anywhere."""

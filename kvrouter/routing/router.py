@@ -5,7 +5,9 @@
 (`kvrouter.routing.adapters`), asks the prefix index how much of the prompt each candidate holds (and in which
 tier), applies the engine's cached-token rule, reads each replica's load from the `LoadBook`, looks up the replica
 that served the request's session last (`kvrouter.routing.sessions`: a soft hint for the policy, or the choice
-itself in sticky mode) and lets the policy choose — with no side effects, so `/debug/route` can call it;
+itself in sticky mode) and lets the policy choose — with no side effects, so `/debug/route` can call it; with
+shared load between instances, through the `BlindGroup` (`kvrouter.routing.herding`: the peers' decisions this
+instance cannot see yet placed first, so instances reading the same stale picture do not herd);
 `Router.commit` acts on a decision: the policy's state moves, the session table remembers the replica, the
 request's blocks become provisional entries on the chosen replica, the load book gets a ticket, and the caller gets
 a `Routed` handle (`kvrouter.routing.lifecycle`) that carries the rest of the request's life — first token, the
@@ -25,6 +27,7 @@ from kvrouter.blocks import cacheable_tokens, chain_keys
 from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
 from kvrouter.routing.adapters import serving
+from kvrouter.routing.herding import BlindGroup
 from kvrouter.routing.lifecycle import Leg, RequestListener, Routed
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.sessions import SessionTable
@@ -126,9 +129,12 @@ class Router:
         lora_adapters: Iterable[str] = (),
         listeners: Sequence[RequestListener] = (),
         sessions: SessionTable | None = None,
+        blind_group: BlindGroup | None = None,
         clock: Callable[[], float],
     ) -> None:
         self.policy = policy
+        self.blind_group = blind_group
+        """With shared load: the peers' decisions this instance cannot see yet (`kvrouter.routing.herding`)."""
         self.sessions = sessions
         self.load = load
         self.index = index
@@ -195,7 +201,11 @@ class Router:
             max_tokens=facts.max_tokens,
             session_replica=None if sticky else hinted,
         )
-        decision = self.policy.select(request, self.candidates(facts, routes))
+        offered = self.candidates(facts, routes)
+        if self.blind_group is None:
+            decision = self.policy.select(request, offered)
+        else:
+            decision = self.blind_group.select(self.policy, request, offered, self.clock())
         if sticky and hinted is not None:
             # Strict stickiness: the session's replica while it is routable, whatever the policy thinks of it.
             candidates = tuple(
@@ -262,6 +272,8 @@ class Router:
             listeners=self.listeners,
             leg=leg,
         )
+        if self.blind_group is not None and policy is self.policy:
+            self.blind_group.committed(decision, routed.ticket.prefill_tokens, now)
         for listener in self.listeners:
             listener.on_commit(routed)
         return routed

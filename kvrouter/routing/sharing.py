@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvrouter.routing.herding import BlindGroup
 from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.load import LoadBook, OwnLoad
 from kvrouter.routing.router import PrefixLookup
@@ -96,8 +97,11 @@ class LoadShare:
         *,
         lookup: PrefixLookup | None = None,
         limits: ShareLimits | None = None,
+        blind_group: BlindGroup | None = None,
     ) -> None:
         self.instance = instance
+        self.blind_group = blind_group
+        """Hears the peers' dispatches (`kvrouter.routing.herding`: how blind this instance's decisions are)."""
         self.load = load
         self.replicas = replicas
         """The fleet's replicas now (a reload changes them): reports about others do not count."""
@@ -177,8 +181,12 @@ class LoadShare:
         if peer is not None and report.seq <= peer.seq:
             self.problems["stale"] += 1
             return False
+        joined = peer is None
         self._peers[report.instance] = _Peer(report.seq, now)
+        if joined:
+            self._rank()
         reported = set()
+        dispatched = 0
         for entry in report.replicas:
             replica = ReplicaName(entry.replica)
             if replica not in fleet:
@@ -186,7 +194,7 @@ class LoadShare:
                 continue
             reported.add(replica)
             load = OwnLoad(entry.in_flight, entry.pending_prefill_tokens, entry.decode_requests)
-            self.load.fold_peer(report.instance, replica, load)
+            dispatched += self.load.fold_peer(report.instance, replica, load)
         for replica in fleet - reported:
             # A replica missing from a report carries nothing from that peer (it never routed there).
             self.load.fold_peer(report.instance, replica, OwnLoad(0, 0, 0))
@@ -195,6 +203,8 @@ class LoadShare:
                 replica = ReplicaName(prefix.replica)
                 if replica in fleet:
                     self.lookup.add_provisional(replica, _unpack_keys(prefix.keys), now)
+        if self.blind_group is not None:
+            self.blind_group.peer_dispatched(dispatched, now)
         self.reports_folded += 1
         return True
 
@@ -228,7 +238,15 @@ class LoadShare:
             del self._peers[name]
             self.load.drop_peer(name)
         self.expired += len(gone)
+        if gone:
+            self._rank()
         return gone
+
+    def _rank(self) -> None:
+        """The blind group takes this instance's place among the live ones (sorted by name, alike everywhere)."""
+        if self.blind_group is not None:
+            names = sorted([*self._peers, self.instance])
+            self.blind_group.rank_among(names.index(self.instance), len(names))
 
     def peers(self) -> list[str]:
         return sorted(self._peers)

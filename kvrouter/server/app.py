@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from kvrouter.policies.kv_aware import KvAwarePolicy
 from kvrouter.redisplane.loadplane import LoadPlaneCollector, RedisLoadPlane, build_load_plane, instance_name
 from kvrouter.redisplane.wiring import build_follower
 from kvrouter.routing.disagg import DisaggSettings, PdPlanner
+from kvrouter.routing.herding import BlindGroup, BlindGroupConfig
 from kvrouter.routing.lifecycle import EventListener, RequestListener, tell_cleared
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.overlays import overlays_from_settings
@@ -184,15 +186,23 @@ def create_app(
     replicas = ReplicaSet(fleet, settings, load, metrics, clock)
     quality = RoutingQuality()
     share = None
+    blind_group = None
     sharing = settings.redis_url is not None or settings.load_share_dir is not None
     if settings.load_share and sharing:
         # Shared load (kvrouter/routing/sharing.py): this instance's own counts out, the other instances' in.
+        name = instance_name()
+        if settings.load_share_blind_group:
+            # The peers' decisions this instance cannot see yet (kvrouter/routing/herding.py). The plane's
+            # staleness: a report waits at most one interval for its tick, and its hop is taken as another.
+            horizon = BlindGroupConfig(horizon_s=2 * settings.load_share_interval_s)
+            blind_group = BlindGroup(horizon, random.Random(name))
         share = LoadShare(
-            instance_name(),
+            name,
             load,
             lambda: [state.name for state in replicas],
             lookup=prefix.lookup,
             limits=ShareLimits(expiry_s=settings.load_share_expiry_s, prefix_blocks=settings.load_share_prefix_blocks),
+            blind_group=blind_group,
         )
         plane: RedisLoadPlane | LocalLoadPlane
         if settings.redis_url is not None:
@@ -232,6 +242,7 @@ def create_app(
         lora_adapters=fleet.all_adapters,
         listeners=[*prefix.request_listeners, quality, *([share] if share is not None else [])],
         sessions=sessions,
+        blind_group=blind_group,
         clock=clock,
     )
     cost_source = policy if isinstance(policy, CostSource) else None
