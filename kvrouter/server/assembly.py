@@ -34,9 +34,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from kvrouter.openai_request import Endpoint, ParsedRequest
+from kvrouter.server.json_body import encode_body
 from kvrouter.typedefs import ReplicaName
 
 LAYOUT_TTL_S = 600.0
@@ -136,30 +135,12 @@ def assemblable(parsed: ParsedRequest) -> bool:
 
 
 def streamed_body(parsed: ParsedRequest) -> bytes:
-    """The request as a stream with a final usage chunk; every other field as the client sent it. A body msgspec
-    decoded is encoded by msgspec too (~0.1x json's time on an 18 KB prompt; the same values); one json.loads
-    decided (NaN, which msgspec would write as null) or msgspec cannot encode (a lone surrogate) by json."""
+    """The request as a stream with a final usage chunk; every other field as the client sent it
+    (`kvrouter.server.json_body`: msgspec for a body msgspec decoded, json for the rest)."""
     body = dict(parsed.body)
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
-    if parsed.finite_json:
-        try:
-            return _ENCODER.encode(body)
-        except (UnicodeEncodeError, OverflowError, TypeError, RecursionError):
-            pass
-    return _compact(body)
-
-
-_ENCODER = msgspec.json.Encoder()
-"""Stateless, like the request decoder: shared, not a singleton."""
-
-
-def _compact(value: Any) -> bytes:
-    try:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:
-        # A lone surrogate (`"\ud800"`, valid JSON, not encodable as UTF-8) survives only as an escape.
-        return json.dumps(value, ensure_ascii=True, separators=(",", ":")).encode()
+    return encode_body(body, finite_json=parsed.finite_json)
 
 
 @dataclass(frozen=True, slots=True)

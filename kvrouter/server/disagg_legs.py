@@ -46,6 +46,7 @@ from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.routing.disagg import PdPlan, PdPlanner
 from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.router import RoutingFacts
+from kvrouter.server.json_body import compact_json
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
 from kvrouter.server.streaming import (
     REQUEST_ID_HEADER,
@@ -72,14 +73,6 @@ PREFILL_ANSWER_BYTES = 1 << 20
 """A prefill answer is one token and a few hundred bytes of parameters; more than this is not one."""
 _DROPPED = ("max_completion_tokens", "min_tokens", "stream_options")
 PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-
-def compact_json(value: Any) -> bytes:
-    try:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:
-        # A lone surrogate (`"\ud800"`, valid JSON, not encodable as UTF-8) survives only as an escape.
-        return json.dumps(value, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def prefill_body(parsed: ParsedRequest) -> bytes:

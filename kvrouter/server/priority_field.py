@@ -10,42 +10,23 @@ enabled."): the router cannot see the engines' policy, the operator says it.
 The rules of the rest of the proxy still hold: the body is forwarded byte for byte unless the router must change
 it; this is one of the few changes it makes (with the streamed form of an assembled answer, kvrouter/server/
 assembly.py, and the legs of a disaggregated request). The body the router decoded is re-encoded with the new
-field last: msgspec when the decoder saw only plain JSON values (it writes them back as they were read), else
-json with compact separators (NaN and lone surrogates, which msgspec would change or refuse). The inflated body
-is what is re-encoded, so a client's gzip body goes upstream plain (engines accept no compressed bodies anyway,
-kvrouter/server/body_encoding.py).
+field last (`kvrouter.server.json_body`). The inflated body is what is re-encoded, so a client's gzip body goes
+upstream plain (engines accept no compressed bodies anyway, kvrouter/server/body_encoding.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Any
-
-import msgspec
 
 from kvrouter.openai_request import ParsedRequest
-
-_ENCODER = msgspec.json.Encoder()
+from kvrouter.server.json_body import encode_body
 
 
 def with_priority(parsed: ParsedRequest, priority: int) -> tuple[ParsedRequest, bytes]:
     """The request with `priority` set in its body, and the bytes to forward."""
     body = dict(parsed.body)
     body["priority"] = priority
-    return dataclasses.replace(parsed, body=body), _encode(body, plain=parsed.finite_json)
-
-
-def _encode(body: dict[str, Any], *, plain: bool) -> bytes:
-    if plain:
-        try:
-            return _ENCODER.encode(body)
-        except (UnicodeEncodeError, OverflowError, TypeError, RecursionError):
-            pass
-    try:
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:
-        return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode()
+    return dataclasses.replace(parsed, body=body), encode_body(body, finite_json=parsed.finite_json)
 
 
 __all__ = ["with_priority"]
