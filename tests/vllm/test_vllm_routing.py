@@ -130,7 +130,12 @@ def test_eviction_under_a_small_cache_keeps_the_index_exact(probe: CacheProbe) -
     # 5 x 44 blocks against 159 usable: the first prompts are evicted, least recently used first.
     prompts = [token_ids(rng, 1400) for _ in range(5)]
     first = [probe.send(f"fill {i}", COMPLETIONS, completion(p), direct="vllm-a") for i, p in enumerate(prompts)]
-    again = [probe.send(f"again {i}", COMPLETIONS, completion(p), direct="vllm-a") for i, p in enumerate(prompts)]
+    # Newest first: the latest prompts are still cached whole, the oldest are not (in fill order every "again"
+    # would evict the next one, and whether anything hit was left to where kv_aware sent the routed ones).
+    again = [
+        probe.send(f"again {i}", COMPLETIONS, completion(p), direct="vllm-a")
+        for i, p in reversed(list(enumerate(prompts)))
+    ]
     routed = [probe.send(f"routed {i}", COMPLETIONS, completion(p)) for i, p in enumerate(prompts)]
     for step in first + again + routed:
         assert_exact(step)
