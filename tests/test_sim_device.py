@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import random
 import subprocess
 import sys
 import time
@@ -61,6 +62,24 @@ def test_launch_bound_decodes_barely_interfere_but_wait_behind_a_prefill() -> No
     ended = {key: end for end, key in device.advance(5.0)}
     assert ended["decode"] - 2.0 > 2.5 * decode  # beside three prefills: ~3x
     assert ended["p1"] - 2.0 > 2.5 * prefill
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("origin", [0.0, 5e3, 1e5, 1e6, 1e7])
+def test_every_pass_ends_on_a_clock_of_any_size(origin: float) -> None:
+    # The live device runs on time.monotonic, which on a host up for days is ~1e5-1e6 s: there `end - now` loses
+    # the low bits of a pass's remainder. Every pass must still end, once, in order (a CI host once spun forever).
+    device = SharedDevice(overhead_s=0.002, overhead_share=0.2)
+    device.now = origin
+    rng = random.Random(7)
+    now, ended = origin, []
+    for key in range(3000):
+        now += rng.expovariate(40.0)
+        ended += device.begin(key, rng.uniform(0.0005, 0.05), now)
+    ended += device.advance(now + 100.0)
+    assert sorted(key for _, key in ended) == list(range(3000))
+    assert [end for end, _ in ended] == sorted(end for end, _ in ended)
+    assert device.next_end() is None
 
 
 def test_existing_profiles_keep_a_device_each() -> None:

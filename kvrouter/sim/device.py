@@ -121,12 +121,16 @@ class SharedDevice:
         """Move time to `now` (never backwards); (end time, key) of every pass that ended, in order."""
         ended: list[tuple[float, Hashable]] = []
         while self._passes:
-            end = self.next_end()
-            assert end is not None
+            shortest = min(item.remaining for item in self._passes.values())
+            end = self.now + shortest / self.rate()
             if end > now + _EPS:
                 break
+            # The passes with the shortest remainder end at `end` by definition. Decided before progressing, not
+            # after: on a large clock (time.monotonic on a host up for days) `end - now` loses the low bits, the
+            # remainder left after `_progress` can stay above any fixed epsilon and `end` stop moving; deciding
+            # after would spin forever.
+            done = [key for key, item in self._passes.items() if item.remaining <= shortest + _EPS]
             self._progress(end)
-            done = [key for key, item in self._passes.items() if item.remaining <= _EPS]
             for key in done:
                 del self._passes[key]
                 ended.append((end, key))
