@@ -109,7 +109,13 @@ def test_gmi_prompts_pad_past_their_blocks(tmp_path: Path) -> None:
 
 
 def replay_slice(
-    trace: Trace, policy: str, *, replicas: int = 4, delay: float = 0.0, whole_answers: bool = False
+    trace: Trace,
+    policy: str,
+    *,
+    replicas: int = 4,
+    delay: float = 0.0,
+    whole_answers: bool = False,
+    placements: dict[int, int] | None = None,
 ) -> ReplayResult:
     catalog = PromptCatalog(trace_block_tokens=trace.block_tokens, block_size=64)
     prompts = [catalog.prepare(request) for request in trace.requests]
@@ -120,7 +126,9 @@ def replay_slice(
         catalog=catalog,
         policy=replay_policy_object(policy, Settings(), clock),
         engine_factory=DynamoMockerEngine,
-        options=ReplayOptions(replicas=replicas, event_delay_s=delay, whole_answers=whole_answers),
+        options=ReplayOptions(
+            replicas=replicas, event_delay_s=delay, whole_answers=whole_answers, placements=placements
+        ),
         clock=clock,
     )
 
@@ -150,6 +158,27 @@ def test_same_seed_same_output() -> None:
     first = summarize(replay_slice(trace, "kv_aware", delay=0.05))
     second = summarize(replay_slice(trace, "kv_aware", delay=0.05))
     assert first == second
+
+
+def test_placements_route_a_recorded_history_and_keep_the_policys_own_choice() -> None:
+    trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=2.5, limit=300)
+    free = replay_slice(trace, "kv_aware")
+    # Placing every request where the policy itself sent it changes nothing, and the policy agrees with all of it.
+    own = {int(r.index): int(r.replica.rsplit("-", 1)[1]) for r in free.records}
+    placed = replay_slice(trace, "kv_aware", placements=own)
+    assert [(r.replica, r.first_token, r.cached_tokens) for r in placed.records] == [
+        (r.replica, r.first_token, r.cached_tokens) for r in free.records
+    ]
+    assert all(r.policy_choice == r.replica for r in placed.records)
+    assert all(r.policy_choice is None for r in free.records)
+    # A history the policy would not have made: every request on engine-2. The requests go there; the policy's own
+    # choices are kept, and it keeps asking for another replica as engine-2 fills.
+    piled = replay_slice(trace, "kv_aware", placements=dict.fromkeys(own, 2))
+    assert {r.replica for r in piled.records} == {"engine-2"}
+    choices = [r.policy_choice for r in piled.records]
+    assert None not in choices and len(set(choices)) > 1
+    with pytest.raises(ValueError, match="placements name replicas"):
+        replay_slice(trace, "kv_aware", placements={0: 4})
 
 
 def test_kv_aware_follows_prefixes_on_a_slice() -> None:

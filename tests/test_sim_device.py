@@ -162,3 +162,23 @@ def test_the_fit_script_runs_on_a_slice_of_the_records(tmp_path: Path) -> None:
     assert "stage 3" in done.stdout
     figures = json.loads(out.read_text())
     assert 0 < figures["per_token_s"] < 1e-4 and figures["overhead_device_share"] == 0.2
+
+
+def test_agree_one_step_on_the_light_row(tmp_path: Path) -> None:
+    # The real router's kv_aware decisions on the 4 req/s H200 row, replayed one step at a time in the simulated
+    # state of the real history: the policy sends >= 90% where the real router did; free running, the cascade of
+    # one early difference leaves far fewer on the same replica.
+    tokenizer = shared(VLLM_CAPTURES / "model")
+    out = tmp_path / "agree.json"
+    command = [
+        sys.executable, str(ROOT / "loadtest" / "gpu" / "fit_h200_profile.py"), "agree", str(H200 / "mt-r4-s0"),
+        "--json", str(out), "--tokenizer", str(tokenizer),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(out.read_text())
+    kv = figures["mt-r4-s0/kv_aware"]
+    assert kv["requests"] == 105
+    assert kv["one_step"]["same_replica"] >= 0.9
+    assert kv["free_running"]["same_replica"] < kv["one_step"]["same_replica"] - 0.2
+    assert "mt-r4-s0/round_robin" not in figures

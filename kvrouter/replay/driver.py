@@ -44,7 +44,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 from kvrouter.flow.classes import FlowClassifier
@@ -128,6 +128,10 @@ class ReplayOptions:
     """What a decode leg's KV transfer costs (the profile's); None: nothing."""
     device: DeviceSharing = field(default_factory=DeviceSharing)
     """How the engines share GPUs (the profile's `device_sharing()`); the default gives each its own."""
+    placements: Mapping[int, int] | None = None
+    """Replica number (0-based) per trace index: the request goes there whatever the policy chose, and the record
+    keeps the policy's own choice (`policy_choice`). Replays a recorded run's routing to ask, request by request,
+    whether the router would have decided alike in the simulated state of that history."""
     engine_metrics: bool = False
     """Feed each scrape's prefill totals (`kvrouter.replay.engine_metrics`) to the policies' engine source, as the
     live router does with `kv_engine_metrics`; off by default, so the replay figures are the router's view alone."""
@@ -157,6 +161,8 @@ class RequestRecord:
     """Where the prefill leg of a split request ran (`replica` is its decode worker)."""
     transfer_s: float = 0.0
     """A split request's KV transfer time (part of its TTFT)."""
+    policy_choice: str | None = None
+    """The replica the policy chose when `ReplayOptions.placements` placed the request (None without)."""
 
     @property
     def ttft(self) -> float | None:
@@ -287,6 +293,10 @@ class Replay:
         block_size = self.engines[0].model.block_size
         if block_size != catalog.block_size:
             raise ValueError(f"the engines' block size {block_size} differs from the prompts' {catalog.block_size}")
+        placements = self.options.placements or {}
+        outside = sorted({number for number in placements.values() if not 0 <= number < len(self.engines)})
+        if outside:
+            raise ValueError(f"placements name replicas {outside}: the fleet has {len(self.engines)}")
         roles = self.options.roles
         if roles is not None and len(roles) != len(self.engines):
             raise ValueError(f"{len(roles)} roles for {len(self.engines)} replicas")
@@ -297,8 +307,8 @@ class Replay:
         self.planner: PdPlanner | None = None
         if is_disaggregated(self.routes):
             options = self.options
-            if spread.routers > 1 or options.replicate or options.drain_at_s is not None:
-                raise ValueError("a disaggregated fleet replays with one router, no warm-ups and no drain")
+            if spread.routers > 1 or options.replicate or options.drain_at_s is not None or options.placements:
+                raise ValueError("a disaggregated fleet replays with one router, no warm-ups, drain or placements")
             if options.flow is not None and options.flow.enabled:
                 raise ValueError("a disaggregated fleet replays without the router queue")
             self.planner = PdPlanner(self.router, options.disaggregation)
@@ -561,6 +571,11 @@ class Replay:
             self._route_pd(position, facts, instance)
             return
         decision = instance.router.decide(facts, self.routes)
+        placements = self.options.placements
+        placed = None if placements is None else placements.get(request.index)
+        if placed is not None:
+            policy_choice = decision.chosen
+            decision = replace(decision, chosen=self.engines[placed].name)
         engine = self._by_name[decision.chosen]
         routed = instance.router.commit(decision, facts, self._route_of[engine.name])
         request_id = str(request.index)
@@ -580,6 +595,8 @@ class Replay:
         record = self._records[request_id]
         record.replica = str(engine.name)
         record.predicted_cached = routed.predicted_cached
+        if placed is not None:
+            record.policy_choice = str(policy_choice)
         if self.queue is not None:
             flow = self._flows[request.index]
             computed = request.input_length - routed.predicted_cached

@@ -3,6 +3,7 @@
 usage:
   python loadtest/gpu/fit_h200_profile.py fit DIR...            # fit on these rows (the 4 and 12 req/s folders)
   python loadtest/gpu/fit_h200_profile.py resim DIR...          # the profile on the real routing, virtual clock
+  python loadtest/gpu/fit_h200_profile.py agree DIR...          # the router's decisions, one step and free running
   python loadtest/gpu/fit_h200_profile.py compare REAL SIM...   # bench records of sim replicas against real ones
 
 Each DIR is a `docs/loadtests/h200-multi-tenant/mt-r<rate>-s<seed>` folder (records-<policy>.jsonl.gz). The
@@ -26,6 +27,15 @@ median TTFT. Prints every stage.
 `resim`: the same virtual-clock re-simulation with the `h200-llama8b` profile as it is, per row: the median
 request's TTFT (real, sim) and the median per-request relative error. It isolates the timing model from routing.
 
+`agree DIR...`: the router's decisions against the real router's, on the replay's virtual clock with the profile
+(`kvrouter replay`'s driver, the policy as `kvrouter replay` builds it at default settings, four engines on one
+simulated GPU, arrivals at the real send times, prompts with the schedule's real prefix structure). Per kv_aware and
+least_loaded row, two figures: *one step* — every request placed where the real router placed it
+(`ReplayOptions.placements`), and the policy asked at each arrival, in the simulated state of that real history,
+where it would send it: the share of requests it sends where the real router did; *free running* — the policy
+places every request itself and its choice is compared by replica number, as `compare` does live (one early
+difference relabels a tenant for the rest of the row). Also the median TTFT of each run against the real one.
+
 `compare REAL SIM`: REAL a records file of the real fleet, SIM the same row's records from `kvrouter bench` over
 `kvrouter sim --profile h200-llama8b` replicas; per request (session, then due order) the TTFT relative error, and
 for kv_aware rows the share of requests on the same replica (vllm-N against sim-N, by index; and, as a
@@ -46,12 +56,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvrouter.config import Settings
 from kvrouter.loadgen.plan import WorkloadParams
 from kvrouter.loadgen.workloads import build_schedule
+from kvrouter.replay.cli import replay_policy_object
+from kvrouter.replay.driver import ReplayOptions, VirtualClock, replay_policy
+from kvrouter.replay.prompts import PromptCatalog
+from kvrouter.replay.trace import TraceRequest
 from kvrouter.sim.engine import VllmEngine
 from kvrouter.sim.hashing import hash_block, root_hash
 from kvrouter.sim.model import EngineRequest
-from kvrouter.sim.profiles import Profile, get_profile
+from kvrouter.sim.profiles import Profile, build_engine, get_profile
 
 TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-kv-events" / "model"
 ROW = re.compile(r"mt-r(?P<rate>[0-9.]+)-s(?P<seed>[0-9]+)$")
@@ -305,6 +320,52 @@ def fit(rows: dict[str, list[Request]], base: Profile, shares: list[float], spee
     }
 
 
+def as_trace(requests: list[Request], block_size: int) -> list[TraceRequest]:
+    """The row as replay trace requests in send order: one trace block per engine block, chain ids naming each
+    distinct prefix of the real token ids (so the replay's prompts share exactly the real prompts' prefixes)."""
+    ids: dict[tuple[int, tuple[int, ...]], int] = {}
+    out = []
+    order = sorted(range(len(requests)), key=lambda n: (requests[n].start, n))
+    for position, number in enumerate(order):
+        prompt = requests[number].prompt
+        chain, parent = [], -1
+        for start in range(0, len(prompt) - block_size + 1, block_size):
+            parent = ids.setdefault((parent, tuple(prompt[start : start + block_size])), len(ids))
+            chain.append(parent)
+        out.append(TraceRequest(position, requests[number].start, len(prompt), 64, tuple(chain)))
+    return out
+
+
+def agree(requests: list[Request], policy: str, profile: Profile) -> dict[str, Any]:
+    """One-step and free-running agreement of `policy` with the real router's choices (see the module's doc)."""
+    block = profile.block_size
+    trace = as_trace(requests, block)
+    order = sorted(range(len(requests)), key=lambda n: (requests[n].start, n))
+    real = [requests[n] for n in order]
+    settings = Settings()
+    catalog = PromptCatalog(trace_block_tokens=block, block_size=block)
+    prompts = [catalog.prepare(request) for request in trace]
+    figures: dict[str, Any] = {"requests": len(real), "real_ttft_p50": statistics.median(r.real_ttft for r in real)}
+    for name, placements in (("one_step", {n: r.replica for n, r in enumerate(real)}), ("free_running", None)):
+        clock = VirtualClock()
+        options = ReplayOptions(
+            replicas=4, provisional_ttl_s=settings.provisional_ttl_s, feedback=settings.kv_feedback,
+            survival=settings.kv_survival, prefill_tokens_per_s=settings.kv_prefill_tokens_per_s,
+            batch_tokens=settings.kv_batch_tokens, device=profile.device_sharing(), placements=placements,
+        )  # fmt: skip
+        result = replay_policy(
+            requests=trace, prompts=prompts, catalog=catalog, policy=replay_policy_object(policy, settings, clock),
+            engine_factory=lambda: build_engine(profile), options=options, clock=clock,
+        )  # fmt: skip
+        records = result.records
+        chosen = [r.policy_choice if placements is not None else r.replica for r in records]
+        same = sum(_index(c) == r.replica for c, r in zip(chosen, real, strict=True))
+        # The replay has no API front end: its first tokens come `request_overhead_s` sooner than live ones.
+        ttfts = [r.ttft + profile.request_overhead_s for r in records if r.ttft is not None]
+        figures[name] = {"same_replica": same / len(real), "sim_ttft_p50": statistics.median(ttfts)}
+    return figures
+
+
 def _index(replica: object) -> int:
     return int(str(replica).rsplit("-", 1)[1])
 
@@ -341,7 +402,7 @@ def compare(real_path: Path, sim_path: Path, time_scale: float = 1.0) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("fit", "resim", "compare"))
+    parser.add_argument("command", choices=("fit", "resim", "agree", "compare"))
     parser.add_argument("paths", nargs="+", type=Path)
     parser.add_argument("--tokenizer", type=Path, default=TOKENIZER)
     parser.add_argument("--shares", default="0.2,0.25,0.3,0.35,0.45", help="overhead_device_share values to try.")
@@ -364,7 +425,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.limit is not None:
             rows = {label: requests[: args.limit] for label, requests in rows.items()}
         profile = get_profile("h200-llama8b")
-        if args.command == "fit":
+        if args.command == "agree":
+            out = {}
+            for label, requests in rows.items():
+                policy = label.rsplit("/", 1)[1]
+                if policy == "round_robin":
+                    continue
+                out[label] = f = agree(requests, policy, profile)
+                one, free = f["one_step"], f["free_running"]
+                print(
+                    f"{label}: {f['requests']} requests, same replica one step {100 * one['same_replica']:.1f}% "
+                    f"free running {100 * free['same_replica']:.1f}%; TTFT p50 real {f['real_ttft_p50']:.3f} s, "
+                    f"sim one step {one['sim_ttft_p50']:.3f} s, free running {free['sim_ttft_p50']:.3f} s"
+                )
+        elif args.command == "fit":
             shares = [float(s) for s in args.shares.split(",")]
             out = fit(rows, profile, shares, [float(s) for s in args.speedups.split(",")])
             print(json.dumps(out, indent=2))
