@@ -38,12 +38,16 @@ class DeviceSharing:
     replicas_per_device: int = 1
     overhead_s: float = 0.0
     overhead_share: float = 1.0
+    switch_share: float | None = None
+    """None: processor sharing by demand; a number: time slicing (`SharedDevice`)."""
 
     def __post_init__(self) -> None:
         if self.replicas_per_device < 1:
             raise ValueError("replicas_per_device must be >= 1")
         if not 0.0 <= self.overhead_share <= 1.0:
             raise ValueError("overhead_share must be within [0, 1]")
+        if self.switch_share is not None and not 0.0 <= self.switch_share <= 1.0:
+            raise ValueError("switch_share must be within [0, 1]")
 
     @property
     def shared(self) -> bool:
@@ -54,7 +58,9 @@ class DeviceSharing:
 
     def build(self, time_scale: float = 1.0) -> SharedDevice:
         """A device in wall seconds when `time_scale` engine seconds pass per wall second."""
-        return SharedDevice(overhead_s=self.overhead_s / time_scale, overhead_share=self.overhead_share)
+        return SharedDevice(
+            overhead_s=self.overhead_s / time_scale, overhead_share=self.overhead_share, switch_share=self.switch_share
+        )
 
     def build_all(self, replicas: int, time_scale: float = 1.0) -> list[SharedDevice]:
         """One device per group of `replicas_per_device` replicas; replica i's is `[device_of(i)]`."""
@@ -66,30 +72,49 @@ class _Pass:
     remaining: float
     """Seconds of the pass's alone-duration still to run."""
     demand: float
+    busy: float
+    """The fraction of its alone-duration the pass keeps the GPU busy: its work `w / d` (time slicing)."""
+    rate: float = 1.0
+    """Alone-seconds it progresses per second, given the passes beside it."""
 
 
 class SharedDevice:
-    """Passes in flight on one GPU; see the module docstring. Keys name passes (one per engine in flight)."""
+    """Passes in flight on one GPU; see the module docstring. Keys name passes (one per engine in flight).
 
-    def __init__(self, *, overhead_s: float, overhead_share: float = 1.0) -> None:
+    `switch_share` None: processor sharing by demand (`overhead_share`). A number in [0, 1]: time slicing between
+    the engines' contexts (the module docstring's second model), where `overhead_share` plays no part."""
+
+    def __init__(self, *, overhead_s: float, overhead_share: float = 1.0, switch_share: float | None = None) -> None:
         if overhead_s < 0 or not 0.0 <= overhead_share <= 1.0:
             raise ValueError("overhead_s must be >= 0 and overhead_share within [0, 1]")
+        if switch_share is not None and not 0.0 <= switch_share <= 1.0:
+            raise ValueError("switch_share must be within [0, 1]")
         self.overhead_s = overhead_s
         self.overhead_share = overhead_share
+        self.switch_share = switch_share
         self.now = 0.0
         self._passes: dict[Hashable, _Pass] = {}
-        self._demand = 0.0
 
     def demand(self, duration: float) -> float:
-        """The GPU fraction a pass of this alone-duration holds."""
+        """The GPU fraction a pass of this alone-duration holds (processor sharing)."""
         if duration <= 0:
             return 0.0
         fixed = min(self.overhead_s, duration)
         return (self.overhead_share * fixed + duration - fixed) / duration
 
-    def rate(self) -> float:
-        """Alone-seconds each pass in flight progresses per second."""
-        return 1.0 if self._demand <= 1.0 else 1.0 / self._demand
+    def busy(self, duration: float) -> float:
+        """The fraction of a pass's alone-duration its GPU work takes: `w / d` (time slicing)."""
+        if duration <= 0:
+            return 0.0
+        return (duration - min(self.overhead_s, duration)) / duration
+
+    def rate(self, key: Hashable | None = None) -> float:
+        """Alone-seconds the pass `key` (any one under processor sharing, where all move alike) progresses per
+        second; 1.0 with nothing in flight."""
+        if not self._passes:
+            return 1.0
+        item = self._passes[key] if key is not None else next(iter(self._passes.values()))
+        return item.rate
 
     def in_flight(self) -> int:
         return len(self._passes)
@@ -100,51 +125,66 @@ class SharedDevice:
         if key in self._passes:
             raise ValueError(f"pass {key!r} is already in flight")
         ended = self.advance(now)
-        demand = self.demand(duration)
-        self._passes[key] = _Pass(max(duration, 0.0), demand)
-        self._demand += demand
+        self._passes[key] = _Pass(max(duration, 0.0), self.demand(duration), self.busy(duration))
+        self._rerate()
         return ended
 
     def cancel(self, key: Hashable) -> None:
-        item = self._passes.pop(key, None)
-        if item is not None:
-            self._demand = sum(p.demand for p in self._passes.values())
+        if self._passes.pop(key, None) is not None:
+            self._rerate()
 
     def next_end(self) -> float | None:
         """When the earliest pass in flight ends if nothing else starts; None when idle."""
         if not self._passes:
             return None
-        shortest = min(item.remaining for item in self._passes.values())
-        return self.now + shortest / self.rate()
+        return self.now + min(item.remaining / item.rate for item in self._passes.values())
 
     def advance(self, now: float) -> list[tuple[float, Hashable]]:
         """Move time to `now` (never backwards); (end time, key) of every pass that ended, in order."""
         ended: list[tuple[float, Hashable]] = []
         while self._passes:
-            shortest = min(item.remaining for item in self._passes.values())
-            end = self.now + shortest / self.rate()
+            step = min(item.remaining / item.rate for item in self._passes.values())
+            end = self.now + step
             if end > now + _EPS:
                 break
-            # The passes with the shortest remainder end at `end` by definition. Decided before progressing, not
+            # The passes with the shortest time left end at `end` by definition. Decided before progressing, not
             # after: on a large clock (time.monotonic on a host up for days) `end - now` loses the low bits, the
-            # remainder left after `_progress` can stay above any fixed epsilon and `end` stop moving; deciding
+            # remainder left after progressing can stay above any fixed epsilon and `end` stop moving; deciding
             # after would spin forever.
-            done = [key for key, item in self._passes.items() if item.remaining <= shortest + _EPS]
-            self._progress(end)
+            done = [key for key, item in self._passes.items() if item.remaining / item.rate <= step + _EPS]
+            self._progress(step)
+            self.now = max(self.now, end)
             for key in done:
                 del self._passes[key]
                 ended.append((end, key))
-            self._demand = sum(item.demand for item in self._passes.values())
+            self._rerate()
         if now > self.now:
-            self._progress(now)
+            self._progress(now - self.now)
+            self.now = now
         return ended
 
-    def _progress(self, until: float) -> None:
-        step = (until - self.now) * self.rate()
-        if step > 0:
+    def _progress(self, seconds: float) -> None:
+        if seconds > 0:
             for item in self._passes.values():
-                item.remaining -= step
-        self.now = max(self.now, until)
+                item.remaining -= seconds * item.rate
+
+    def _rerate(self) -> None:
+        passes = self._passes.values()
+        kappa = self.switch_share
+        if kappa is None:
+            total = sum(item.demand for item in passes)
+            shared = 1.0 if total <= 1.0 else 1.0 / total
+            for item in passes:
+                item.rate = shared
+            return
+        # Time slicing: a pass beside another loses that one's GPU work, plus, for the share `kappa` of the
+        # other's idle (launch-bound) time, the slices the other's context takes while this one has work queued.
+        busy_total = sum(item.busy for item in passes)
+        idle_total = sum(1.0 - item.busy for item in passes)
+        for item in passes:
+            others_busy = busy_total - item.busy
+            others_idle = idle_total - (1.0 - item.busy)
+            item.rate = 1.0 / (1.0 + others_busy + kappa * others_idle * item.busy)
 
 
 class LiveDevice:
