@@ -1,4 +1,4 @@
-"""One GPU shared by several engines (vLLM replicas on one device): processor sharing of its time (pure core).
+"""One GPU shared by several engines (vLLM replicas on one device): processor sharing or time slicing (pure core).
 
 A pass's duration alone, `d` (the profile's step time), is a fixed part `c` (the profile's `step_overhead_s`:
 scheduling, sampling, kernel launches — in eager mode mostly the CPU's, the GPU idles between small kernels) and
@@ -13,6 +13,16 @@ GPU's time is divided in proportion to demand (generalised processor sharing, wh
 CUDA contexts without MPS approximates): a decode pass beside three 8k-token chunked prefills takes ~3x as long,
 and the prefills share the GPU's prefill throughput. One pass alone always takes exactly `d` (u <= 1), so an
 engine alone on its device keeps the timing it has without this module.
+
+Time slicing (`switch_share` set, the `h200-llama8b` profile): several processes on one GPU without MPS are
+time-sliced, each context with work queued gets its slice. A pass's GPU work is `busy = w / d` of its alone-duration,
+the rest launch-bound; pass i beside others progresses at
+
+    1 / (1 + sum_j busy_j + switch_share * busy_i * sum_j (1 - busy_j))
+
+so launch-bound passes interleave in each other's idle gaps (four eager decodes side by side: ~1.4x), while a pass
+with GPU work queued loses a slice to every neighbour with work (`switch_share` 1: an equal slice per context; a
+prefill beside three decoding engines: ~3.7x). Alone a pass still takes exactly `d`.
 
 Knobs: `overhead_s` (the fixed part, in the caller's time unit), `overhead_share` (0..1). Time is whatever unit the
 caller uses (the live driver: wall seconds; the replay: virtual seconds), as long as it is the same for all.
