@@ -224,3 +224,16 @@ def test_a_peers_prefill_in_progress_comes_off_the_queue_like_its_own() -> None:
     scored = peer.select(small, [Candidate(A, 0, guessed)]).candidates[0]
     assert 0 < scored.breakdown["prefill_in_progress_tokens"] < 10_000
     assert scored.breakdown["queued_prefill_tokens"] > 30_000
+
+
+def test_a_dead_peers_requests_leave_the_record_with_its_load() -> None:
+    """A peer that expires takes its pending prefill out of the load book; the next look drops its requests, so the
+    record stays bounded by what is pending (plus the head) whatever the peers reported."""
+    clock = FakeClock()
+    kv = KvAwarePolicy(KvAwareConfig(decode_pass_s=0.0, decode_s_per_request=0.0), clock=clock)
+    for tokens in (4_000_000, 30_000, 20_000):
+        kv.peer_prefill(A, tokens, 4_050_000, clock.now)
+    clock.now += 0.2
+    kv.record(kv.select(RouteRequest(prompt_tokens=500), [cand(A, pending=0)]))
+    lane = kv._lanes[A]
+    assert [t for _, t in lane.sent] == [500] and lane.total == 500
