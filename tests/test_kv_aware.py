@@ -194,3 +194,46 @@ def test_bad_config_is_refused() -> None:
         KvAwareConfig(prefill_tokens_per_s=0)
     with pytest.raises(ValueError):
         KvAwareConfig(hotspot_ratio=0)
+
+
+def test_a_peers_prefill_in_progress_comes_off_the_queue_like_its_own() -> None:
+    """With shared load, the request at the head of a replica's queue is often a peer instance's: its progress
+    counts as this router's own would, or the replica looks busier to K routers than to one."""
+    clock = FakeClock()
+    config = KvAwareConfig(prefill_tokens_per_s=48_000, decode_pass_s=0.0, decode_s_per_request=0.0)
+    own, peer = KvAwarePolicy(config, clock=clock), KvAwarePolicy(config, clock=clock)
+    own.record(own.select(RouteRequest(prompt_tokens=96_000), [cand(A), cand(B, in_flight=1, pending=1)]))
+    peer.peer_prefill(A, 96_000, 96_000, clock.now)  # the same dispatch, heard from the peer's report
+    clock.now += 1.0
+    small = RouteRequest(prompt_tokens=1_000)
+    for kv in (own, peer):
+        loaded = ReplicaLoad(in_flight=1, pending_prefill_tokens=96_000, peer_pending_prefill_tokens=96_000)
+        decision = kv.select(small, [Candidate(A, 0, loaded)])
+        assert decision.candidates[0].breakdown["prefill_in_progress_tokens"] == pytest.approx(48_000)
+    # A peer's second request queues behind the first; when the first reaches its first token it leaves.
+    peer.peer_prefill(A, 10_000, 106_000, clock.now)
+    assert [t for _, t in peer._lanes[A].sent] == [96_000, 10_000]
+    peer.peer_prefill(B, 5_000, 5_000, clock.now)
+    peer.record(peer.select(small, [cand(A, pending=10_000), cand(B, pending=5_000)]))
+    assert [t for _, t in peer._lanes[A].sent][:1] == [10_000]
+    # A report that only fell (first tokens, finishes) adds nothing; the blind group's placeholders are no request.
+    peer.peer_prefill(A, 0, 0, clock.now)
+    assert [t for _, t in peer._lanes[A].sent][:1] == [10_000]
+    guessed = ReplicaLoad(in_flight=2, pending_prefill_tokens=40_000, placeholder_prefill_tokens=30_000)
+    clock.now += 0.1
+    scored = peer.select(small, [Candidate(A, 0, guessed)]).candidates[0]
+    assert 0 < scored.breakdown["prefill_in_progress_tokens"] < 10_000
+    assert scored.breakdown["queued_prefill_tokens"] > 30_000
+
+
+def test_a_dead_peers_requests_leave_the_record_with_its_load() -> None:
+    """A peer that expires takes its pending prefill out of the load book; the next look drops its requests, so the
+    record stays bounded by what is pending (plus the head) whatever the peers reported."""
+    clock = FakeClock()
+    kv = KvAwarePolicy(KvAwareConfig(decode_pass_s=0.0, decode_s_per_request=0.0), clock=clock)
+    for tokens in (4_000_000, 30_000, 20_000):
+        kv.peer_prefill(A, tokens, 4_050_000, clock.now)
+    clock.now += 0.2
+    kv.record(kv.select(RouteRequest(prompt_tokens=500), [cand(A, pending=0)]))
+    lane = kv._lanes[A]
+    assert [t for _, t in lane.sent] == [500] and lane.total == 500

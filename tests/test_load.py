@@ -1,4 +1,4 @@
-from kvrouter.routing.load import EngineGauges, LoadBook, OwnLoad
+from kvrouter.routing.load import EngineGauges, LoadBook, OwnLoad, PeerRise
 from kvrouter.typedefs import ReplicaName
 
 A = ReplicaName("a")
@@ -58,3 +58,12 @@ def test_peer_reports_add_to_the_snapshot_and_replace_each_other() -> None:
     # What this instance publishes is its own part only.
     assert book.own() == {A: OwnLoad(1, 100, 0)}
     assert book.in_flight_total() == 1 and book.peer_in_flight() == 1
+
+
+def test_a_peer_report_returns_its_rise_in_requests_and_prefill_tokens() -> None:
+    book = LoadBook()
+    assert book.fold_peer("p1", A, OwnLoad(2, 700, 0)) == PeerRise(2, 700)
+    # Another dispatch (300 tokens) and a first token (200 of the 700) since: the rise is net of the fall.
+    assert book.fold_peer("p1", A, OwnLoad(3, 800, 1)) == PeerRise(1, 100)
+    assert book.fold_peer("p1", A, OwnLoad(1, 0, 1)) == PeerRise(0, 0)  # falls are not rises
+    assert book.fold_peer("p1", A, OwnLoad(1, 0, 1)) == PeerRise(0, 0)  # a repeated report adds nothing

@@ -19,7 +19,14 @@ from kvrouter.config import load_fleet
 from kvrouter.index import PrefixIndex
 from kvrouter.redisplane.loadplane import CHANNEL, load_plane_client
 from kvrouter.routing.load import LoadBook
-from kvrouter.routing.sharing import LoadReport, LoadShare, ReplicaCounts, RoutedPrefix, ShareLimits
+from kvrouter.routing.sharing import (
+    LoadReport,
+    LoadShare,
+    PeerPrefillSink,
+    ReplicaCounts,
+    RoutedPrefix,
+    ShareLimits,
+)
 from kvrouter.server.app import LOAD, ROUTER, create_app
 from kvrouter.typedefs import BlockKey, ReplicaName
 from tests.conftest import ReplicaFactory, eventually, router_settings
@@ -64,6 +71,34 @@ def test_a_report_carries_own_counts_and_routed_prefixes_to_the_peer() -> None:
     )
     assert index_y.longest_prefixes(keys, 1.0)[B].blocks == 3
     assert view(y.load, A) == (1, 0, 1)
+
+
+class Progress:
+    """A `PeerPrefillSink` that writes down what it hears."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, int, int]] = []
+
+    def peer_prefill(self, replica: ReplicaName, tokens: int, pending: int, now: float) -> None:
+        self.heard.append((replica, tokens, pending))
+
+
+def test_a_peers_dispatches_reach_the_policy_and_garbage_never_does() -> None:
+    progress = Progress()
+    book = LoadBook()
+    book.begin(A, 100)
+    y = LoadShare("y", book, lambda: FLEET, progress=progress)
+    assert isinstance(progress, PeerPrefillSink)
+    assert y.receive(raw("x", 1, ("a", 2, 700, 0), ("b", 1, 50, 0)), 0.0)
+    assert progress.heard == [("a", 700, 800), ("b", 50, 50)]  # the rise, then the fleet's pending there
+    assert y.receive(raw("x", 2, ("a", 3, 900, 0)), 0.1)  # b missing: x has nothing there now (a fall)
+    assert progress.heard[2:] == [("a", 200, 1_000)]
+    for payload in (b"\xffgarbage", raw("x", 3, ("a", 1, 10**12, 0)), raw("x", 4, ("a", -1, 5, 0))):
+        assert not y.receive(payload, 0.2)
+    assert not y.receive(raw("x", 2, ("a", 9, 9_000, 0)), 0.3)  # stale
+    assert progress.heard[3:] == []
+    assert y.problems == {"undecodable": 1, "absurd_tokens": 1, "negative": 1, "stale": 1}
+    assert y.expire(10.0) == ["x"] and book.snapshot(A).pending_prefill_tokens == 100
 
 
 def test_own_echo_stale_and_unknown_replicas_are_skipped() -> None:

@@ -16,15 +16,19 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrouter.config import load_fleet
 from kvrouter.routing.load import LoadBook
-from kvrouter.routing.sharing import LoadShare, ShareLimits
+from kvrouter.routing.sharing import LoadReport, LoadShare, ReplicaCounts, ShareLimits
+from kvrouter.server.app import ROUTER, create_app
 from kvrouter.server.local_loadplane import LocalLoadPlane
 from kvrouter.typedefs import ReplicaName
-from tests.conftest import eventually
+from tests.conftest import eventually, router_settings
 from tests.faults_support import ReplicaProcess
 from tests.redis_fixtures import free_port
 
@@ -85,6 +89,27 @@ async def test_two_processes_worth_of_planes_share_and_expire(share_dir: Path) -
         await eventually(lambda: y.share.peers() == [], within_s=3.0, what="expired")
         assert book_y.snapshot(A).in_flight == 0
     assert [name for name in os.listdir(share_dir) if name.endswith(".sock")] == []  # both removed their files
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "round_robin"])
+async def test_a_kv_aware_router_queues_its_peers_prefills_in_its_progress_record(
+    tmp_path: Path, share_dir: Path, policy: str
+) -> None:
+    """The app wires the load share to the policy (kvrouter/server/app.py): a peer's report that rises reaches
+    kv_aware's prefill-progress record; a policy without one is left out."""
+    path = tmp_path / "replicas.yaml"
+    path.write_text(yaml.safe_dump({"replicas": [{"name": "a", "url": "http://127.0.0.1:9"}]}), "utf-8")
+    settings = router_settings(policy=policy, replicas=path, load_share_dir=share_dir)
+    router = create_app(settings, load_fleet(path), registry=CollectorRegistry())[ROUTER]
+    (share,) = [listener for listener in router.listeners if isinstance(listener, LoadShare)]
+    report = msgspec.msgpack.encode(LoadReport(1, "peer", 1, [ReplicaCounts("a", 2, 700, 0)]))
+    assert share.receive(report, 5.0)
+    if policy == "round_robin":
+        assert share.progress is None
+        return
+    assert share.progress is router.policy
+    assert [tokens for _, tokens in router.policy._lanes[A].sent] == [700]  # type: ignore[attr-defined]
+    assert not share.receive(b"\x00garbage", 5.1) and share.problems == {"undecodable": 1}
 
 
 async def test_workers_without_redis_each_count_every_workers_requests(tmp_path: Path) -> None:

@@ -87,6 +87,34 @@ def test_instant_sharing_sees_the_whole_fleet_at_every_decision(slice_400: Trace
     assert max(fleet for _, fleet in seen) > 10  # the check had load to see
 
 
+def test_with_instant_sharing_every_instance_follows_the_fleets_prefills(slice_400: Trace) -> None:
+    """kv_aware's prefill-progress lane holds every request prefilling on a replica, the peers' included (heard
+    from their reports), as one router's would: its requests cover the whole fleet's pending prefill there."""
+    replay = build(slice_400, RouterSpread(routers=4, share_delay_s=0.0))
+    covered: list[bool] = []
+    peer_headed = 0
+    for instance in replay.instances:
+        decide = instance.router.decide
+        policy = instance.router.policy
+
+        def spy(facts, routes, decide=decide, policy=policy):  # type: ignore[no-untyped-def]
+            decision = decide(facts, routes)
+            nonlocal peer_headed
+            for scored in decision.candidates:
+                pending = scored.breakdown["pending_prefill_tokens"]
+                if pending > 0:
+                    lane = policy._lanes.get(scored.replica)
+                    covered.append(lane is not None and lane.total >= pending)
+                    if scored.breakdown["peer_pending_prefill_tokens"] == pending:
+                        peer_headed += scored.breakdown["prefill_in_progress_tokens"] > 0
+            return decision
+
+        instance.router.decide = spy  # type: ignore[method-assign]
+    replay.run()
+    assert len(covered) > 400 and all(covered)
+    assert peer_headed > 50  # queues holding only peers' requests had their head's progress taken off
+
+
 def test_sharing_is_what_keeps_k_routers_near_one(slice_400: Trace) -> None:
     """The problem and the fix on a slice: unshared, each router sees a quarter of each queue and herds."""
     trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=2.5, limit=1500)

@@ -38,6 +38,9 @@ class ReplicaLoad:
     """Fraction of the engine's KV cache in use, 0..1."""
     peer_pending_prefill_tokens: int = 0
     """The part of `pending_prefill_tokens` other router instances reported (shared load); 0 without sharing."""
+    placeholder_prefill_tokens: int = 0
+    """The part of `pending_prefill_tokens` that stands for peers' decisions not heard yet (placeholders of
+    `kvrouter.routing.herding`, also counted in `peer_pending_prefill_tokens`): guesses, no request behind them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,10 +38,15 @@ fleet's ratio of cached to computed prompt tokens over this policy's recent deci
 
 Prefill progress. The load book counts a request's prefill tokens as pending until its first token, so a replica
 half-way through a 100k-token prompt would look as busy as one about to start it. The policy therefore keeps,
-per replica, the requests it sent there in order and watches the pending count fall at each decision (the
-engines prefill first-come-first-served): the oldest request still pending is the one in progress, and the part
-of it computed since it started — elapsed time x the replica's effective prefill rate, never all of it — is
-taken off the queue. Without such history (another router's traffic, a restart) the queue counts in full.
+per replica, the requests sent there in order and watches the pending count fall at each decision (the engines
+prefill first-come-first-served): the oldest request still pending is the one in progress, and the part of it
+computed since it started — elapsed time x the replica's effective prefill rate, never all of it — is taken off
+the queue. With shared load the requests are the whole fleet's: its own, recorded when it routes them, and every
+peer instance's, heard as the rise of the peer's pending prefill tokens in its load reports (`peer_prefill`; sent
+when heard, so a stale plane under-claims their progress, never over-claims it). Following only its own, an
+instance of K took no progress off the K - 1 in 4 queues headed by a peer's request, and priced those replicas
+as busier than one router would (docs/scaling.md, "Why four routers sharing at once were not one"). Without such
+history (a peer whose dispatch was netted out of its report, a restart) the queue counts in full.
 
 Offload tiers. A cached block the engine holds only in CPU memory or in storage (its KV events' `medium`; vLLM
 serves the GPU prefix hit and has its KV connector load what follows) is not a GPU hit: loading it costs time,
@@ -318,11 +323,27 @@ class KvAwarePolicy:
     def _in_progress(self, replica: ReplicaName, load: ReplicaLoad, now: float, token_s: float) -> float:
         """Pending prefill tokens of the request in progress already computed (an estimate from the lane)."""
         lane = self._lanes.get(replica)
-        # The lane follows this router's own requests: other instances' pending prefill (shared load) is queue.
-        own_pending = load.pending_prefill_tokens - load.peer_pending_prefill_tokens
-        if lane is None or own_pending <= 0:
+        # The lane follows the fleet's requests there (this router's and, through `peer_prefill`, its peers'); the
+        # blind group's placeholders stand for requests it has not heard of, behind those it holds.
+        pending = load.pending_prefill_tokens - load.placeholder_prefill_tokens
+        if lane is None or pending <= 0:
             return 0.0
-        return min(lane.in_progress(own_pending, now, 1.0 / token_s), float(own_pending))
+        return min(lane.in_progress(pending, now, 1.0 / token_s), float(pending))
+
+    def peer_prefill(self, replica: ReplicaName, tokens: int, pending: int, now: float) -> None:
+        """A peer's load report on `replica` was folded in (`kvrouter.routing.sharing.PeerPrefillSink`). When its
+        pending prefill rose by `tokens` (its dispatches there), they queue behind what the lane holds, as if sent
+        `now`, and the lane takes the look at the replica's queue (the fleet's `pending`) that its own decision
+        would have taken: the lane then sees the queue at every dispatch in the fleet, as one router routing every
+        request would (looking at first tokens as well was no better on the held-out trace: docs/scaling.md)."""
+        if tokens <= 0:
+            return
+        lane = self._lanes.get(replica)
+        if lane is None:
+            lane = self._lanes[replica] = _Lane(head_since=now, observed=now)
+        lane.sent.append((now, tokens))
+        lane.total += tokens
+        lane.observe(pending, now)
 
     def queued_prefill_tokens(self, replica: ReplicaName, load: ReplicaLoad, weight: float = 1.0) -> float:
         """Prefill tokens still to compute on `replica` now: its pending prefill less the estimated progress of
@@ -388,7 +409,8 @@ class KvAwarePolicy:
             if lane is None:
                 lane = self._lanes[scored.replica] = _Lane(head_since=now, observed=now)
             breakdown = scored.breakdown
-            pending = breakdown.get("pending_prefill_tokens", 0.0) - breakdown.get("peer_pending_prefill_tokens", 0.0)
+            # The blind group's placeholders (kvrouter/routing/herding.py) are guesses, not requests the lane holds.
+            pending = breakdown.get("pending_prefill_tokens", 0.0) - breakdown.get("blind_placeholder_tokens", 0.0)
             lane.observe(int(pending), now)
             if scored.replica == decision.chosen:
                 # What the load book counts for it: the prompt minus what is cached there.

@@ -5,11 +5,12 @@ instance's index follows the same KV events (the event plane is shared, directly
 counts only the load it routed itself, unless load is shared: then each change of an instance's own counts on
 a replica (a request routed, its first token, its end) reaches every other instance `delay_s` later, as the
 live load plane (`kvrouter.redisplane.loadplane`) delivers it, and so do the provisional prefixes it marked when
-routing. Arrivals are spread over the instances round-robin, or at random from `seed` (a plain load balancer).
-With a share delay, each instance decides through a `BlindGroup` (`kvrouter.routing.herding`, as a live router
-with shared load does) whose horizon is the delay and whose random source is seeded from `seed` and the
-instance's number, its rank the instance's number; `blind_group` `random` takes random places, `off` leaves the
-blind group out (the plain policy: the herd, for comparison).
+routing; a rise of its pending prefill tokens reaches the other instances' policies as its dispatches
+(`kvrouter.routing.sharing.PeerPrefillSink`), as live. Arrivals are spread over the instances round-robin, or at
+random from `seed` (a plain load balancer). With a share delay, each instance decides through a `BlindGroup`
+(`kvrouter.routing.herding`, as a live router with shared load does) whose horizon is the delay and whose random
+source is seeded from `seed` and the instance's number, its rank the instance's number; `blind_group` `random`
+takes random places, `off` leaves the blind group out (the plain policy: the herd, for comparison).
 
 Knobs (`RouterSpread`): `routers` (K), `spread` (`round_robin` | `random`), `seed`, `share_delay_s` (None: no
 sharing; 0: instant), `blind_group`.
@@ -26,6 +27,7 @@ from kvrouter.routing.herding import BlindGroupConfig
 from kvrouter.routing.lifecycle import EventListener
 from kvrouter.routing.load import LoadBook, OwnLoad
 from kvrouter.routing.router import Router
+from kvrouter.routing.sharing import PeerPrefillSink
 from kvrouter.routing.survival import SurvivalLookup
 from kvrouter.typedefs import BlockKey, ReplicaName
 
@@ -112,10 +114,14 @@ def deliver(instances: list[RouterInstance], report: LoadReport, now: float) -> 
         if number == report.source:
             continue
         if report.load is not None:
-            dispatched = instance.load.fold_peer(instances[report.source].name, report.replica, report.load)
+            rise = instance.load.fold_peer(instances[report.source].name, report.replica, report.load)
             blind_group = instance.router.blind_group
             if blind_group is not None:
-                blind_group.peer_dispatched(dispatched, now)
+                blind_group.peer_dispatched(rise.requests, now)
+            policy = instance.router.policy
+            if rise.prefill_tokens and isinstance(policy, PeerPrefillSink):
+                pending = instance.load.snapshot(report.replica).pending_prefill_tokens
+                policy.peer_prefill(report.replica, rise.prefill_tokens, pending, now)
         if report.keys and instance.router.index is not None:
             instance.router.index.add_provisional(report.replica, report.keys, now)
 

@@ -206,6 +206,7 @@ class BlindGroup:
                 in_flight=load.in_flight + 1,
                 pending_prefill_tokens=load.pending_prefill_tokens + size,
                 peer_pending_prefill_tokens=load.peer_pending_prefill_tokens + size,
+                placeholder_prefill_tokens=load.placeholder_prefill_tokens + size,
             )
             loaded[number] = replace(loaded[number], load=extra)
             added[number] += size

@@ -9,7 +9,9 @@ Shared load. Several router instances in front of one fleet each count only what
 load plane (`kvrouter.redisplane.loadplane`, or the replay's `--routers K`) hands every instance the others'
 own counts per replica: `fold_peer(peer, replica, ...)` replaces that peer's last report for the replica (reports
 are absolute, so a lost or repeated one does no lasting harm; it returns the rise of the peer's in-flight count,
-which `kvrouter.routing.herding` counts as the peer's dispatches), `drop_peer` forgets a peer whose reports expired.
+which `kvrouter.routing.herding` counts as the peer's dispatches, and of its pending prefill tokens, which
+kv_aware's prefill-progress estimate queues as the peer's requests), `drop_peer` forgets a peer whose reports
+expired.
 `snapshot` adds the peers' counts to this instance's and says how much of the pending prefill is theirs
 (`ReplicaLoad.peer_pending_prefill_tokens`: a policy that follows its own requests' progress needs its own part).
 `own` gives this instance's counts alone, which is what it publishes.
@@ -31,6 +33,15 @@ class Ticket:
     prefill_tokens: int
     prefilling: bool = True
     done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRise:
+    """How much a peer's report on one replica rose over its previous one (0 where it fell): its dispatches since,
+    net of what finished or reached its first token in between."""
+
+    requests: int
+    prefill_tokens: int
 
 
 @dataclass(slots=True)
@@ -130,16 +141,18 @@ class LoadBook:
             for replica, counts in self._counts.items()
         }
 
-    def fold_peer(self, peer: str, replica: ReplicaName, load: OwnLoad) -> int:
+    def fold_peer(self, peer: str, replica: ReplicaName, load: OwnLoad) -> PeerRise:
         """`peer`'s latest own counts on `replica`, replacing its previous report (validated by the caller).
-        Returns how many more requests the peer has in flight there than it last reported (its dispatches since,
-        net of its finishes; 0 when fewer)."""
+        Returns how many more requests and pending prefill tokens the peer has there than it last reported."""
         reports = self._peers.setdefault(peer, {})
-        previous = reports.get(replica)
+        previous = reports.get(replica) or OwnLoad(0, 0, 0)
         self._shift(replica, previous, -1)
         reports[replica] = load
         self._shift(replica, load, 1)
-        return max(0, load.in_flight - (previous.in_flight if previous is not None else 0))
+        return PeerRise(
+            max(0, load.in_flight - previous.in_flight),
+            max(0, load.pending_prefill_tokens - previous.pending_prefill_tokens),
+        )
 
     def drop_peer(self, peer: str) -> None:
         """`peer` stopped reporting (expired or left): its share no longer counts anywhere."""

@@ -5,9 +5,12 @@ counts per replica (in flight, pending prefill tokens, decoding requests) plus t
 last report (each one's leading block keys, which peers mark provisional on that replica, as this instance did)
 — and folds the reports of the other instances into the same load book. Reports are absolute, not increments, so
 a lost, repeated or late one does no lasting harm; a peer that stops reporting (it died, or lost Redis) is dropped
-`expiry_s` after its last report, so its share stops counting. The transport (Redis pub/sub,
-`kvrouter.redisplane.loadplane`; without Redis, between `--workers` processes, Unix datagrams:
-`kvrouter.server.local_loadplane`) only moves bytes: this module is pure and clock-free (`now` is an argument).
+`expiry_s` after its last report, so its share stops counting. A rise of a peer's pending prefill tokens on a
+replica is its dispatches there since its last report: a policy that follows the progress of the prefills queued on
+a replica (kv_aware, `PeerPrefillSink`) hears them, so it knows how far the whole queue is, not only its own part.
+The transport (Redis pub/sub, `kvrouter.redisplane.loadplane`; without Redis, between `--workers` processes, Unix
+datagrams: `kvrouter.server.local_loadplane`) only moves bytes: this module is pure and clock-free (`now` is an
+argument).
 
 Hostile peers. A report is decoded at the edge into `LoadReport` (msgspec, typed) and then checked whole: counts
 negative, above `max_in_flight` requests, decoding more than in flight, or more than `max_tokens_per_request`
@@ -26,6 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -80,6 +84,16 @@ def _unpack_keys(blob: bytes) -> list[BlockKey]:
     return [BlockKey(int.from_bytes(blob[at : at + 8], "little")) for at in range(0, len(blob), 8)]
 
 
+@runtime_checkable
+class PeerPrefillSink(Protocol):
+    """A policy that follows the progress of every request prefilling on a replica, the peers' included."""
+
+    def peer_prefill(self, replica: ReplicaName, tokens: int, pending: int, now: float) -> None:
+        """A peer's report on `replica`, folded in `now`, shows `tokens` (> 0) more prefill tokens pending there
+        than its last one (its dispatches since); the replica's pending prefill is now `pending` (the fleet's)."""
+        ...
+
+
 @dataclass(slots=True)
 class _Peer:
     seq: int
@@ -98,10 +112,13 @@ class LoadShare:
         lookup: PrefixLookup | None = None,
         limits: ShareLimits | None = None,
         blind_group: BlindGroup | None = None,
+        progress: PeerPrefillSink | None = None,
     ) -> None:
         self.instance = instance
         self.blind_group = blind_group
         """Hears the peers' dispatches (`kvrouter.routing.herding`: how blind this instance's decisions are)."""
+        self.progress = progress
+        """Hears the prefill tokens peers sent to each replica (kv_aware's prefill-progress estimate queues them)."""
         self.load = load
         self.replicas = replicas
         """The fleet's replicas now (a reload changes them): reports about others do not count."""
@@ -194,7 +211,11 @@ class LoadShare:
                 continue
             reported.add(replica)
             load = OwnLoad(entry.in_flight, entry.pending_prefill_tokens, entry.decode_requests)
-            dispatched += self.load.fold_peer(report.instance, replica, load)
+            rise = self.load.fold_peer(report.instance, replica, load)
+            dispatched += rise.requests
+            if rise.prefill_tokens and self.progress is not None:
+                pending = self.load.snapshot(replica).pending_prefill_tokens
+                self.progress.peer_prefill(replica, rise.prefill_tokens, pending, now)
         for replica in fleet - reported:
             # A replica missing from a report carries nothing from that peer (it never routed there).
             self.load.fold_peer(report.instance, replica, OwnLoad(0, 0, 0))
@@ -252,4 +273,12 @@ class LoadShare:
         return sorted(self._peers)
 
 
-__all__ = ["WIRE_VERSION", "LoadReport", "LoadShare", "ReplicaCounts", "RoutedPrefix", "ShareLimits"]
+__all__ = [
+    "WIRE_VERSION",
+    "LoadReport",
+    "LoadShare",
+    "PeerPrefillSink",
+    "ReplicaCounts",
+    "RoutedPrefix",
+    "ShareLimits",
+]

@@ -48,7 +48,7 @@ from kvrouter.routing.overlays import overlays_from_settings
 from kvrouter.routing.quality import RoutingQuality, SaturationConfig
 from kvrouter.routing.router import PrefixLookup, PromptTokenizer, Router
 from kvrouter.routing.sessions import SessionTable
-from kvrouter.routing.sharing import LoadShare, ShareLimits
+from kvrouter.routing.sharing import LoadShare, PeerPrefillSink, ShareLimits
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
 from kvrouter.server.disagg_legs import PdLegs
 from kvrouter.server.engine_costs import EngineCostFeed
@@ -227,6 +227,8 @@ def create_app(
             metrics.registry.register(LoadPlaneCollector(plane))
         prefix.contexts.append(plane.context)
     policy = build_policy(fleet.policy or settings.policy, settings, clock=clock)
+    if share is not None and isinstance(policy, PeerPrefillSink):
+        share.progress = policy  # the peers' prefills queue in its progress estimate as its own do
     sessions = None
     if settings.session_mode != "off" and settings.session_key_from != "off":
         sessions = SessionTable(
