@@ -29,9 +29,11 @@ class FakeRouted:
         self.predicted_cached = predicted_cached
 
 
-def dispatch(shares: TenantShares, tenant: str, tokens: int, now: float = 0.0) -> Routed:
+def dispatch(shares: TenantShares, tenant: str, tokens: int, now: float = 0.0, weight: float = 1.0) -> Routed:
+    """A request of `tenant` arrives and goes to a replica."""
     routed = cast(Routed, FakeRouted(tokens))
-    shares.routed(routed, flow(tenant), now)
+    shares.arrived(flow(tenant, weight), tokens, now)
+    shares.routed(routed, flow(tenant, weight))
     return routed
 
 
@@ -44,7 +46,7 @@ def test_one_tenant_is_never_held() -> None:
 
 def test_a_heavy_tenant_waits_while_the_room_is_the_light_tenants_reserve() -> None:
     shares = TenantShares()
-    dispatch(shares, "noisy", 9_000)  # noisy: 9,000 tokens of service, light: 1,000
+    dispatch(shares, "noisy", 9_000)  # noisy sent 9,000 prompt tokens, light 1,000
     light = dispatch(shares, "light", 1_000)
     shares.on_first_token(light, 0.1)  # light's prefill is done: its whole share (2,000 of 4,000) is in reserve
     eligible = shares.eligible(BUDGET, 1_500.0, {})
@@ -57,7 +59,7 @@ def test_a_heavy_tenant_waits_while_the_room_is_the_light_tenants_reserve() -> N
     assert shares.eligible(BUDGET, 600.0, {}) is None
 
 
-def test_heaviness_is_recent_service_by_weight() -> None:
+def test_heaviness_is_what_a_tenant_sent_lately_by_weight() -> None:
     shares = TenantShares(horizon_s=10.0)
     dispatch(shares, "a", 4_000, now=0.0)
     dispatch(shares, "b", 1_000, now=0.0)
@@ -65,11 +67,11 @@ def test_heaviness_is_recent_service_by_weight() -> None:
     assert held is not None and not held(flow("a")) and held(flow("b"))
     # With a weight of 8, a's 4,000 tokens are half of b's 1,000 per weight: b is the heavy one.
     weighted = TenantShares(horizon_s=10.0)
-    weighted.routed(cast(Routed, FakeRouted(4_000)), flow("a", weight=8.0), 0.0)
+    dispatch(weighted, "a", 4_000, weight=8.0)
     dispatch(weighted, "b", 1_000)
     held = weighted.eligible(BUDGET, 0.0, {})
     assert held is not None and held(flow("a", weight=8.0)) and not held(flow("b"))
-    # Old use decays: 200 s later b's new 1,000 tokens outweigh a's faded 4,000.
+    # What was sent long ago fades: 200 s later b's new 1,000 tokens outweigh a's 4,000.
     dispatch(shares, "b", 1_000, now=200.0)
     later = shares.eligible(BUDGET, 0.0, {})
     assert later is not None and later(flow("a")) and not later(flow("b"))
@@ -110,3 +112,14 @@ def test_room_is_the_budget_left_on_each_replica() -> None:
         (ReplicaLoad(pending_prefill_tokens=5_000), 900.0),  # the policy's estimate wins
     ]
     assert rule.room(loads) == 600 + 0 + 100
+
+
+def test_being_held_back_does_not_make_a_heavy_tenant_light() -> None:
+    # Heaviness follows what a tenant sends, not what it is served: a held tenant's waiting requests count.
+    shares = TenantShares()
+    light = dispatch(shares, "light", 1_000)
+    shares.on_first_token(light, 0.1)
+    for _ in range(5):
+        shares.arrived(flow("noisy"), 2_000, 0.2)  # sent, all waiting: nothing of it was served
+    held = shares.eligible(BUDGET, 1_000.0, {"noisy": 1.0})
+    assert held is not None and not held(flow("noisy")) and held(flow("light"))

@@ -10,9 +10,11 @@ while the neighbour itself took only a third of the dispatches in between). Reor
 them; keeping room for them can.
 
 So the budget is divided among the active tenants (a request in flight or waiting) by weight, and:
-- a tenant is **heavy** while its recent service — prompt tokens computed and tokens generated, divided by its
-  weight, decayed with `HORIZON_S` — is above its weighted share of the active tenants' recent service (a rate,
-  not a count: a light tenant's burst does not make it heavy);
+- a tenant is **heavy** while what it sends — prompt tokens of its arrivals, divided by its weight, decayed with
+  `HORIZON_S` — is above its weighted share of what the active tenants send (a rate over tens of seconds: a light
+  tenant's burst does not make it heavy). Demand, not service: service would follow the holding back itself (a
+  heavy tenant held back is served less and would turn light, a light one served at once would turn heavy), and
+  on the conversation trace that flipping held a regular tenant with heavy bursts for 12 s at x1.5;
 - each light tenant's share of the budget less its own queued prefill (the uncached prompt tokens of its
   dispatched requests without a first token) is held in reserve for it;
 - a heavy tenant's request is dispatched only while the fleet's room (the budget less what every replica has
@@ -22,9 +24,8 @@ It is work-conserving for the light tenants and bounded for the heavy one: what 
 light tenants' unused shares, and as soon as they use them (or go idle, leaving the active set) the heavy tenant
 fills the fleet again. With one active tenant nothing changes (`eligible` returns None).
 
-Pure and synchronous: a `RequestListener` of the router (first tokens, finishes), told of each dispatch and of
-generated tokens by the caller (`routed`, `generated`), which knows the request's flow; `now` is the caller's
-clock.
+Pure and synchronous: a `RequestListener` of the router (first tokens, finishes), told of each arrival and
+dispatch by the caller (`arrived`, `routed`), which knows the request's flow; `now` is the caller's clock.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from kvrouter.flow.classes import FlowClass
 from kvrouter.routing.lifecycle import Routed
 
 HORIZON_S = 30.0
-"""Time constant of the recent service that says who is heavy. Chosen on the held-out Mooncake synthetic trace
-(docs/benchmarks.md, "Noisy neighbour"): 10 s let a regular tenant's bursts make it heavy, 30 s and 120 s gave
-the same order."""
+"""Time constant of the recent demand that says who is heavy. Chosen on the held-out Mooncake synthetic trace with
+a noisy neighbour (docs/benchmarks.md, "Noisy neighbour"): 10 s let a regular tenant's bursts make it heavy (its
+p99 at x1.5 went from 2.4 to 3.6 s); 30 s and 120 s were level (mean of the regular tenants' p99 at x1.25 and
+x1.5: 1,939 and 1,961 ms)."""
 
 
 @dataclass(slots=True)
@@ -59,13 +61,19 @@ class TenantShares:
         """Per tenant: dispatched requests not finished."""
         self.weights: dict[str, float] = {}
         """The weight of each tenant with requests running."""
-        self.served: dict[str, float] = {}
-        """Per tenant: service / weight, decayed with `horizon_s`, kept scaled by e^((now - base) / horizon)."""
+        self.sent: dict[str, float] = {}
+        """Per tenant: prompt tokens sent / weight, decayed with `horizon_s`, kept scaled by e^((now - base) / h)."""
         self._base = 0.0
 
     # -- what the caller tells it ----------------------------------------------------------------------------
 
-    def routed(self, routed: Routed, flow: FlowClass, now: float) -> None:
+    def arrived(self, flow: FlowClass, prompt_tokens: int, now: float) -> None:
+        """A request of `flow` with `prompt_tokens` arrived (whether it goes straight through or waits)."""
+        if prompt_tokens > 0:
+            scaled = prompt_tokens / flow.weight * self._scale(now)
+            self.sent[flow.tenant] = self.sent.get(flow.tenant, 0.0) + scaled
+
+    def routed(self, routed: Routed, flow: FlowClass) -> None:
         """A request of `flow` was dispatched as `routed` (straight through or from the queue)."""
         tenant = flow.tenant
         prefill = float(max(0, routed.prompt_tokens - routed.predicted_cached))
@@ -73,11 +81,6 @@ class TenantShares:
         self.queued_prefill[tenant] = self.queued_prefill.get(tenant, 0.0) + prefill
         self.running[tenant] = self.running.get(tenant, 0) + 1
         self.weights[tenant] = flow.weight
-        self._serve(flow, prefill, now)
-
-    def generated(self, flow: FlowClass, tokens: int, now: float) -> None:
-        """A request of `flow` ended having generated `tokens`."""
-        self._serve(flow, float(tokens), now)
 
     # -- what it answers -------------------------------------------------------------------------------------
 
@@ -89,12 +92,11 @@ class TenantShares:
         if len(weights) < 2:
             return None
         total_weight = sum(weights.values())
-        total_served = sum(self.served.get(tenant, 0.0) * weight for tenant, weight in weights.items())
+        total_sent = sum(self.sent.get(tenant, 0.0) * weight for tenant, weight in weights.items())
         heavy: set[str] = set()
         reserve = 0.0
         for tenant, weight in weights.items():
-            served = self.served.get(tenant, 0.0)
-            if served * total_weight > total_served:
+            if self.sent.get(tenant, 0.0) * total_weight > total_sent:
                 heavy.add(tenant)
             else:
                 reserve += max(0.0, budget * weight / total_weight - self.queued_prefill.get(tenant, 0.0))
@@ -108,13 +110,9 @@ class TenantShares:
         horizon = self.horizon_s
         if now - self._base > 50 * horizon:
             shrink = math.exp(-(now - self._base) / horizon)
-            self.served = {tenant: v * shrink for tenant, v in self.served.items() if v * shrink > 1e-3}
+            self.sent = {tenant: v * shrink for tenant, v in self.sent.items() if v * shrink > 1e-3}
             self._base = now
         return math.exp((now - self._base) / horizon)
-
-    def _serve(self, flow: FlowClass, tokens: float, now: float) -> None:
-        if tokens > 0:
-            self.served[flow.tenant] = self.served.get(flow.tenant, 0.0) + tokens / flow.weight * self._scale(now)
 
     def _prefilled(self, entry: _InFlight) -> None:
         if entry.prefill > 0:

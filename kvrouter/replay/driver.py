@@ -474,6 +474,8 @@ class Replay:
         )
         self._records[request_id] = record
         queue = self.queue
+        if self.shares is not None:
+            self.shares.arrived(flow, request.input_length, self.now)
         if queue is not None and (len(queue) > 0 or self._saturated() or not self._eligible(flow)):
             predicted = queue.predicted_wait(flow) if queue.config.fail_fast else None
             if predicted is not None and predicted > queue.bands[flow.band].ttl_s:
@@ -613,7 +615,7 @@ class Replay:
             computed = request.input_length - routed.predicted_cached
             self.queue.charge(flow, computed, self.now)
             if self.shares is not None:
-                self.shares.routed(routed, flow, self.now)
+                self.shares.routed(routed, flow)
             served = (computed + request.output_length) / flow.weight
             self._window_service[flow.tenant] = self._window_service.get(flow.tenant, 0.0) + served
         engine.model.add(
@@ -811,8 +813,6 @@ class Replay:
             self._unfinished -= 1
             if self.queue is not None:
                 self.queue.charge(self._flows[record.index], record.output_tokens, now)
-                if self.shares is not None:
-                    self.shares.generated(self._flows[record.index], record.output_tokens, now)
         if result.events:
             if self.options.event_delay_s > 0:
                 self._push(now + self.options.event_delay_s, _KV_EVENTS, (engine, result.events))

@@ -187,6 +187,8 @@ class FlowGate:
         band = self.config.bands[flow.band].name
         if not self.enabled:
             return Admission(flow)
+        if self.shares is not None:
+            self.shares.arrived(flow, facts.prompt_tokens or 0, self.clock())
         routable = self.replicas.routable()
         if not routable or (len(self.queue) == 0 and not self._saturated(routable) and self._eligible(flow, routable)):
             # No replica at all is the proxy's 503, as without the gate; room now goes straight through.
@@ -225,7 +227,7 @@ class FlowGate:
         self._charge(flow, routed.prompt_tokens - routed.predicted_cached)
         self._flows[id(routed)] = flow
         if self.shares is not None:
-            self.shares.routed(routed, flow, self.clock())
+            self.shares.routed(routed, flow)
 
     def _charge(self, flow: FlowClass, tokens: float) -> None:
         if tokens > 0:
@@ -367,8 +369,6 @@ class FlowGate:
         flow = self._flows.pop(id(routed), None)
         if flow is not None and routed.generated_tokens:
             self._charge(flow, routed.generated_tokens)
-            if self.shares is not None:
-                self.shares.generated(flow, routed.generated_tokens, now)
         self._schedule_pump()
 
     async def run(self) -> None:
