@@ -272,8 +272,9 @@ async def test_a_heavy_tenant_is_held_out_of_a_light_tenants_share(
         if len(gate.queue) == 1:
             break
     assert len(gate.queue) == 1
-    reasons = (await (await client.get("/debug/queue")).json())["replicas"]
-    assert None in reasons.values()  # held although a replica has room: that room is the light tenant's
+    snapshot = await (await client.get("/debug/queue")).json()
+    assert None in snapshot["replicas"].values()  # held although a replica has room: that room is the light tenant's
+    assert snapshot["held_back"] == ["other"]  # the noisy tenant, not configured: its label is `other`
     held = seen()
     tasks.append(send(100, "light"))
     await eventually(lambda: seen() == held + 1, what="the light tenant's second request went past the noisy one")

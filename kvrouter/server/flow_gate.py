@@ -399,6 +399,14 @@ class FlowGate:
         waiter = self._by_request.get(request_id)
         return None if waiter is None else self.queue.position(waiter, self.clock())
 
+    def _held_back(self) -> list[str]:
+        """The waiting tenants (labels) kept out of the light tenants' headroom right now (`kvrouter.flow.shares`)."""
+        routable = self.replicas.routable()
+        eligible = self._dispatchable(routable) if routable else None
+        if eligible is None:
+            return []
+        return sorted({waiter.flow.label for waiter in self.queue.waiting() if not eligible(waiter.flow)})
+
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()
         return {
@@ -406,6 +414,7 @@ class FlowGate:
             "saturated_threshold_tokens": self.rule.prefill_tokens,
             "replicas": self.saturation_reasons(),
             "queued": self.queue.lengths(),
+            "held_back": self._held_back(),
             "waiting": [
                 {"request_id": waiter.payload.request_id, **self.queue.position(waiter, now)}
                 for waiter in self.queue.waiting()
