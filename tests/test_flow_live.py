@@ -245,3 +245,40 @@ async def test_engine_priority_writes_the_header_band_into_the_body_only_when_as
     forwarded = replica.completions_seen()[-1]
     assert forwarded.json() == {**body(2), "priority": -1}
     assert "content-encoding" not in {name.lower() for name in forwarded.headers}
+
+
+async def test_a_heavy_tenant_is_held_out_of_a_light_tenants_share(
+    aiohttp_client: Any, fake_replicas: ReplicaFactory, tokenizer_dir: Path
+) -> None:
+    # A budget of 2 x 1,024 tokens per replica: each ~400-token prompt takes a slice, none saturates alone.
+    replicas = await fake_replicas(2, first_delay=1.5)
+    client = await start_router(aiohttp_client, replicas, tokenizer_dir, kv_batch_tokens=1024)
+    gate = client.app[PROXY].gate
+    assert gate is not None and gate.shares is not None
+
+    def seen() -> int:
+        return sum(len(replica.completions_seen()) for replica in replicas)
+
+    def send(number: int, tenant: str) -> asyncio.Task[Any]:
+        headers = {"x-kvrouter-tenant": tenant}
+        return asyncio.create_task(client.post("/v1/completions", json=body(number), headers=headers))
+
+    tasks = [send(0, "light")]
+    await eventually(lambda: seen() == 1, what="the light tenant's request reached a replica")
+    # The noisy tenant sends until the router holds it back: it has taken more than its share of the service.
+    for number in range(1, 20):
+        tasks.append(send(number, "noisy"))
+        await eventually(lambda n=number: seen() == n + 1 or len(gate.queue) == 1, what="sent or held")  # type: ignore[misc]
+        if len(gate.queue) == 1:
+            break
+    assert len(gate.queue) == 1
+    snapshot = await (await client.get("/debug/queue")).json()
+    assert None in snapshot["replicas"].values()  # held although a replica has room: that room is the light tenant's
+    assert snapshot["held_back"] == ["other"]  # the noisy tenant, not configured: its label is `other`
+    held = seen()
+    tasks.append(send(100, "light"))
+    await eventually(lambda: seen() == held + 1, what="the light tenant's second request went past the noisy one")
+    assert len(gate.queue) == 1
+    for task in tasks:
+        assert (await task).status == 200  # the held one goes once the prefills end
+    assert seen() == len(tasks)

@@ -139,3 +139,25 @@ def test_backlogged_tenants_share_service_evenly() -> None:
     flow = summarize(weighted)["flow"]["tenants"]
     assert flow["t0"]["queued_p99"] < min(flow["t1"]["queued_p99"], flow["t2"]["queued_p99"])
     assert sum(weighted.fairness) / len(weighted.fairness) >= 0.9  # weighted service stays even
+
+
+def test_headroom_keeps_the_noisy_tenant_out_of_the_others_share() -> None:
+    # x1.0 on two engines: the regular tenants alone fit, the neighbour (half of all arrivals) takes it over.
+    trace = load_trace(shared(MOONCAKE_CONVERSATION), speedup=1.0, limit=600)
+    assigned = assign(trace, Tenancy(tenants=3, noisy_share=0.5, seed=1))
+    with_room = summarize(replay(assigned.trace, FlowConfig(), tenants=assigned.tenant))["flow"]["tenants"]
+    without = FlowConfig(tenant_headroom=False)
+    plain = summarize(replay(assigned.trace, without, tenants=assigned.tenant))["flow"]["tenants"]
+    # Every regular tenant waits less with the headroom; the neighbour, sending twice its share, pays for it.
+    for tenant in ("t0", "t1", "t2"):
+        assert with_room[tenant]["queued_p99"] < 0.9 * plain[tenant]["queued_p99"]
+        assert with_room[tenant]["rejected"] == plain[tenant]["rejected"] == 0
+    assert with_room[NOISY_TENANT]["rejected"] > plain[NOISY_TENANT]["rejected"]
+
+
+def test_headroom_changes_nothing_for_one_tenant(overloaded: Trace) -> None:
+    on = replay(overloaded, FlowConfig())
+    off = replay(overloaded, FlowConfig(tenant_headroom=False))
+    assert [(r.replica, r.queued_s, r.first_token, r.rejected) for r in on.records] == [
+        (r.replica, r.queued_s, r.first_token, r.rejected) for r in off.records
+    ]

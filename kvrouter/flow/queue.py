@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -151,14 +151,17 @@ class FlowQueue(Generic[T]):
         band.queued += 1
         return waiter
 
-    def pop(self, now: float) -> Waiter[T] | None:
-        """The next waiter to dispatch, marked dispatched; None when nothing waits."""
+    def pop(self, now: float, eligible: Callable[[FlowClass], bool] | None = None) -> Waiter[T] | None:
+        """The next waiter to dispatch, marked dispatched; None when nothing waits. `eligible`: only tenants whose
+        head's flow it accepts are considered (`TenantShares.eligible`: held-back heavy tenants are skipped)."""
         starving: Waiter[T] | None = None
         for band in self.bands:
             head = band.head()
             starved = head is not None and now - head.enqueued >= self.starvation_s
             if starved and head is not None and (starving is None or head.enqueued < starving.enqueued):
                 starving = head
+        if starving is not None and eligible is not None and not eligible(starving.flow):
+            starving = None
         self._turn += 1
         if starving is not None and self._turn >= self._starving_every:
             # The guard's share of dispatches, not all of them: under sustained overload every head of a lower
@@ -172,7 +175,7 @@ class FlowQueue(Generic[T]):
             best_virtual = 0.0
             for tenant in list(band.tenants):
                 head = band.tenant_head(tenant)
-                if head is None:
+                if head is None or (eligible is not None and not eligible(head.flow)):
                     continue
                 virtual = band.virtual.get(tenant, 0.0)
                 if (
@@ -184,6 +187,16 @@ class FlowQueue(Generic[T]):
             if best is not None:
                 return self._take(band, best, now)
         return None
+
+    def waiting_weights(self) -> dict[str, float]:
+        """The weight of each tenant with a queued request (its head's flow), for `TenantShares`."""
+        weights: dict[str, float] = {}
+        for band in self.bands:
+            for tenant in list(band.tenants):
+                head = band.tenant_head(tenant)
+                if head is not None:
+                    weights[head.flow.tenant] = head.flow.weight
+        return weights
 
     def _take(self, band: _Band[T], waiter: Waiter[T], now: float) -> Waiter[T]:
         waiter.state = "dispatched"

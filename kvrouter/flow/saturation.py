@@ -50,5 +50,13 @@ class SaturationRule:
             seen = True
         return seen
 
+    def room(self, loads: Iterable[tuple[ReplicaLoad, float | None]]) -> float:
+        """Prefill tokens the replicas can still queue before each is saturated by queued prefill (the fleet's
+        free budget, for `kvrouter.flow.shares`)."""
+        return sum(
+            max(0.0, self.prefill_tokens - (load.pending_prefill_tokens if queued is None else queued))
+            for load, queued in loads
+        )
+
 
 __all__ = ["SaturationRule"]

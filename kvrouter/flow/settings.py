@@ -16,6 +16,7 @@
       fail_fast: true               # a request predicted to wait past its TTL gets its 429 at once
       engine_priority: false        # write the header's band into the body's `priority` for the engines
       fair_horizon_s: null          # null: VTC's counters; a number: service decays with that time constant
+      tenant_headroom: true         # a heavy tenant cannot fill the light tenants' unused share of the budget
       tenant_from: [header, api_key, user]
       tenants:                      # weights for fair sharing (others weigh 1)
         team-a: {weight: 2, api_keys: ["sk-..."]}
@@ -112,6 +113,12 @@ class FlowConfig(BaseModel):
         gt=0,
         description="Fair sharing over a horizon: a tenant's service decays with this time constant and the least "
         "served backlogged tenant goes next (null: VTC's counters, among the tenants waiting together).",
+    )
+    tenant_headroom: bool = Field(
+        default=True,
+        description="Keep room for light tenants: while a tenant takes more than its weighted share of recent "
+        "service, it is not dispatched into the part of the prefill budget (hold_passes x kv_batch_tokens per "
+        "replica) that is the other active tenants' share and still unused (docs/flow-control.md).",
     )
     fail_fast: bool = Field(
         default=True,

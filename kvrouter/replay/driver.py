@@ -43,17 +43,18 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from kvrouter.flow.classes import FlowClassifier
+from kvrouter.flow.classes import FlowClass, FlowClassifier
 from kvrouter.flow.queue import FlowQueue
 from kvrouter.flow.saturation import SaturationRule
 from kvrouter.flow.settings import FlowConfig
+from kvrouter.flow.shares import TenantShares
 from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import IndexWriter
-from kvrouter.policies.base import Policy
+from kvrouter.policies.base import Policy, ReplicaLoad
 from kvrouter.replay.engine_metrics import PrefillTotals
 from kvrouter.replay.prompts import PreparedPrompt, PromptCatalog, SizedPrompt
 from kvrouter.replay.routers import LoadReport, RouterInstance, RouterSpread, Spreader, deliver
@@ -330,6 +331,7 @@ class Replay:
         self._result = ReplayResult(policy.name, [], [str(engine.name) for engine in self.engines])
         flow = self.options.flow
         self.queue: FlowQueue[int] | None = None
+        self.shares: TenantShares | None = None
         if flow is not None and flow.enabled:
             if spread.routers > 1:
                 raise ValueError("the router queue replays with one router (--routers 1)")
@@ -339,6 +341,9 @@ class Replay:
             self.saturation = SaturationRule(
                 int(flow.hold_passes * self.options.batch_tokens), flow.engine_waiting, flow.kv_usage, max_seqs
             )
+            if flow.tenant_headroom:
+                self.shares = TenantShares()
+                self.instances[0].router.add_listener(self.shares)
         classifier = FlowClassifier(flow or FlowConfig())
         self._band_names = [band.name for band in classifier.config.bands]
         urgent, default = 0, classifier.default_band
@@ -479,7 +484,9 @@ class Replay:
         )
         self._records[request_id] = record
         queue = self.queue
-        if queue is not None and (len(queue) > 0 or self._saturated()):
+        if self.shares is not None:
+            self.shares.arrived(flow, request.input_length, self.now)
+        if queue is not None and (len(queue) > 0 or self._saturated() or not self._eligible(flow)):
             predicted = queue.predicted_wait(flow) if queue.config.fail_fast else None
             if predicted is not None and predicted > queue.bands[flow.band].ttl_s:
                 record.rejected = "predicted_ttl"
@@ -504,6 +511,29 @@ class Replay:
             for snapshot, route in loads
         )
 
+    def _loads(self) -> Iterator[tuple[ReplicaLoad, float | None]]:
+        """Each replica's load and the policy's estimate of its queued prefill (None: the load book's)."""
+        load = self.load
+        estimate = getattr(self.policy, "queued_prefill_tokens", None)
+        for route in self.routes:
+            snapshot = load.snapshot(route.name)
+            yield snapshot, None if estimate is None else estimate(route.name, snapshot, route.weight)
+
+    def _dispatchable(self) -> Callable[[FlowClass], bool] | None:
+        """Which flows may go now (`TenantShares.eligible`: heavy tenants wait while the fleet's room is the
+        light tenants' reserve); None: every flow."""
+        shares, queue = self.shares, self.queue
+        if shares is None or queue is None:
+            return None
+        budget = self.saturation.prefill_tokens * len(self.routes)
+        return shares.eligible(budget, self.saturation.room(self._loads()), queue.waiting_weights())
+
+    def _eligible(self, flow: FlowClass) -> bool:
+        if self.shares is None or len(self.shares.weights) < 2:
+            return True  # the queue is empty here: fewer than two active tenants, nobody is held for another
+        eligible = self._dispatchable()
+        return eligible is None or eligible(flow)
+
     def _pump(self) -> None:
         """Capacity may have freed: dispatch queued requests while some replica can take more work."""
         queue = self.queue
@@ -511,7 +541,7 @@ class Replay:
             return
         self._fairness_tick()
         while len(queue) > 0 and not self._saturated():
-            waiter = queue.pop(self.now)
+            waiter = queue.pop(self.now, self._dispatchable())
             if waiter is None:
                 break
             self._records[str(self.requests[waiter.payload].index)].queued_s = waiter.waited(self.now)
@@ -601,6 +631,8 @@ class Replay:
             flow = self._flows[request.index]
             computed = request.input_length - routed.predicted_cached
             self.queue.charge(flow, computed, self.now)
+            if self.shares is not None:
+                self.shares.routed(routed, flow)
             served = (computed + request.output_length) / flow.weight
             self._window_service[flow.tenant] = self._window_service.get(flow.tenant, 0.0) + served
         engine.model.add(

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +36,10 @@ from kvrouter.flow.classes import FlowClass, FlowClassifier
 from kvrouter.flow.queue import FlowQueue, Waiter
 from kvrouter.flow.saturation import SaturationRule
 from kvrouter.flow.settings import FlowConfig
+from kvrouter.flow.shares import TenantShares
 from kvrouter.metrics import LATENCY_BUCKETS
 from kvrouter.openai_request import ParsedRequest, RequestError
-from kvrouter.policies.base import Decision
+from kvrouter.policies.base import Decision, ReplicaLoad
 from kvrouter.routing.adapters import unavailable as adapter_unavailable
 from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.router import Router, RoutingFacts
@@ -169,6 +170,9 @@ class FlowGate:
         self._flows: dict[int, FlowClass] = {}
         """The flow of each routed request still running (by the Routed's id), to charge its generated tokens."""
         router.add_listener(self)
+        self.shares = TenantShares() if config.tenant_headroom else None
+        if self.shares is not None:
+            router.add_listener(self.shares)
 
     # -- the request path ------------------------------------------------------------------------------------
 
@@ -183,8 +187,10 @@ class FlowGate:
         band = self.config.bands[flow.band].name
         if not self.enabled:
             return Admission(flow)
+        if self.shares is not None:
+            self.shares.arrived(flow, facts.prompt_tokens or 0, self.clock())
         routable = self.replicas.routable()
-        if not routable or (len(self.queue) == 0 and not self._saturated(routable)):
+        if not routable or (len(self.queue) == 0 and not self._saturated(routable) and self._eligible(flow, routable)):
             # No replica at all is the proxy's 503, as without the gate; room now goes straight through.
             self.metrics.dispatched.labels(band, flow.label, "direct").inc()
             return Admission(flow)
@@ -220,6 +226,8 @@ class FlowGate:
         """A request of `flow` was routed: its computed prompt tokens now, its generated tokens when it ends."""
         self._charge(flow, routed.prompt_tokens - routed.predicted_cached)
         self._flows[id(routed)] = flow
+        if self.shares is not None:
+            self.shares.routed(routed, flow)
 
     def _charge(self, flow: FlowClass, tokens: float) -> None:
         if tokens > 0:
@@ -251,6 +259,27 @@ class FlowGate:
             if estimate is not None and rule.reason(load, estimate(replica.name, load, replica.route.weight)) is None:
                 return self._saturation(False)
         return self._saturation(bool(routable))
+
+    def _loads(self, routable: list[ReplicaState]) -> Iterator[tuple[ReplicaLoad, float | None]]:
+        estimate = getattr(self.router.policy, "queued_prefill_tokens", None)
+        for replica in routable:
+            load = self.router.load.snapshot(replica.name)
+            yield load, None if estimate is None else estimate(replica.name, load, replica.route.weight)
+
+    def _dispatchable(self, routable: list[ReplicaState]) -> Callable[[FlowClass], bool] | None:
+        """Which flows may go now (`TenantShares.eligible`: a heavy tenant waits while the fleet's room is the
+        light tenants' reserve); None: every flow."""
+        shares = self.shares
+        if shares is None:
+            return None
+        budget = self.rule.prefill_tokens * len(routable)
+        return shares.eligible(budget, self.rule.room(self._loads(routable)), self.queue.waiting_weights())
+
+    def _eligible(self, flow: FlowClass, routable: list[ReplicaState]) -> bool:
+        if self.shares is None or (len(self.shares.weights) < 2 and len(self.queue) == 0):
+            return True  # fewer than two active tenants: nobody is held for another (and no room to compute)
+        eligible = self._dispatchable(routable)
+        return eligible is None or eligible(flow)
 
     def _saturation(self, saturated: bool) -> bool:
         self.metrics.saturated.set(1 if saturated else 0)
@@ -294,7 +323,7 @@ class FlowGate:
                         )
                     )
         while len(queue) > 0 and not self._saturated(routable):
-            popped = queue.pop(now)
+            popped = queue.pop(now, self._dispatchable(routable))
             if popped is None:
                 break
             waiter = popped
@@ -370,6 +399,14 @@ class FlowGate:
         waiter = self._by_request.get(request_id)
         return None if waiter is None else self.queue.position(waiter, self.clock())
 
+    def _held_back(self) -> list[str]:
+        """The waiting tenants (labels) kept out of the light tenants' headroom right now (`kvrouter.flow.shares`)."""
+        routable = self.replicas.routable()
+        eligible = self._dispatchable(routable) if routable else None
+        if eligible is None:
+            return []
+        return sorted({waiter.flow.label for waiter in self.queue.waiting() if not eligible(waiter.flow)})
+
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()
         return {
@@ -377,6 +414,7 @@ class FlowGate:
             "saturated_threshold_tokens": self.rule.prefill_tokens,
             "replicas": self.saturation_reasons(),
             "queued": self.queue.lengths(),
+            "held_back": self._held_back(),
             "waiting": [
                 {"request_id": waiter.payload.request_id, **self.queue.position(waiter, now)}
                 for waiter in self.queue.waiting()

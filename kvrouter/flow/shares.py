@@ -1,0 +1,149 @@
+"""Headroom for light tenants: a tenant taking more than its share of the fleet cannot fill the others' part of it.
+
+The router queue holds a request while every replica has `hold_passes` passes of prefill queued: the fleet's
+prefill budget, `hold_passes` x `kv_batch_tokens` per routable replica. Fair sharing inside the queue (VTC,
+`kvrouter.flow.queue`) orders the waiters, but a waiter goes only when the budget has room, and the budget is
+first come first served: a tenant that sends far more than its share (a noisy neighbour) keeps it full, so the
+other tenants' requests — which on their own would have found the fleet with room — wait in the router for
+dispatch slots, most of which go to one another (measured: a regular tenant's slowest requests waited 1–2 s
+while the neighbour itself took only a third of the dispatches in between). Reordering the queue cannot help
+them; keeping room for them can.
+
+So the budget is divided among the active tenants (a request in flight or waiting) by weight, and:
+- a tenant is **heavy** while what it sends — prompt tokens of its arrivals, divided by its weight, decayed with
+  `HORIZON_S` — is above its weighted share of what the active tenants send (a rate over tens of seconds: a light
+  tenant's burst does not make it heavy). Demand, not service: service would follow the holding back itself (a
+  heavy tenant held back is served less and would turn light, a light one served at once would turn heavy), and
+  on the conversation trace that flipping held a regular tenant with heavy bursts for 12 s at x1.5;
+- each light tenant's share of the budget less its own queued prefill (the uncached prompt tokens of its
+  dispatched requests without a first token) is held in reserve for it;
+- a heavy tenant's request is dispatched only while the fleet's room (the budget less what every replica has
+  queued) exceeds that reserve; light tenants dispatch whenever the fleet has room, as without the book.
+
+It is work-conserving for the light tenants and bounded for the heavy one: what it holds back is at most the
+light tenants' unused shares, and as soon as they use them (or go idle, leaving the active set) the heavy tenant
+fills the fleet again. With one active tenant nothing changes (`eligible` returns None).
+
+Pure and synchronous: a `RequestListener` of the router (first tokens, finishes), told of each arrival and
+dispatch by the caller (`arrived`, `routed`), which knows the request's flow; `now` is the caller's clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from kvrouter.flow.classes import FlowClass
+from kvrouter.routing.lifecycle import Routed
+
+HORIZON_S = 30.0
+"""Time constant of the recent demand that says who is heavy. Chosen on the held-out Mooncake synthetic trace with
+a noisy neighbour (docs/benchmarks.md, "Noisy neighbour"): 10 s let a regular tenant's bursts make it heavy (its
+p99 at x1.5 went from 2.4 to 3.6 s); 30 s and 120 s were level (mean of the regular tenants' p99 at x1.25 and
+x1.5: 1,939 and 1,961 ms)."""
+
+
+@dataclass(slots=True)
+class _InFlight:
+    tenant: str
+    prefill: float
+    """Uncached prompt tokens still to compute (0 once the first token came)."""
+
+
+class TenantShares:
+    def __init__(self, horizon_s: float = HORIZON_S) -> None:
+        self.horizon_s = horizon_s
+        self._in_flight: dict[int, _InFlight] = {}
+        self.queued_prefill: dict[str, float] = {}
+        """Per tenant: uncached prompt tokens of its dispatched requests without a first token."""
+        self.running: dict[str, int] = {}
+        """Per tenant: dispatched requests not finished."""
+        self.weights: dict[str, float] = {}
+        """The weight of each tenant with requests running."""
+        self.sent: dict[str, float] = {}
+        """Per tenant: prompt tokens sent / weight, decayed with `horizon_s`, kept scaled by e^((now - base) / h)."""
+        self._base = 0.0
+
+    # -- what the caller tells it ----------------------------------------------------------------------------
+
+    def arrived(self, flow: FlowClass, prompt_tokens: int, now: float) -> None:
+        """A request of `flow` with `prompt_tokens` arrived (whether it goes straight through or waits)."""
+        if prompt_tokens > 0:
+            scaled = prompt_tokens / flow.weight * self._scale(now)
+            self.sent[flow.tenant] = self.sent.get(flow.tenant, 0.0) + scaled
+
+    def routed(self, routed: Routed, flow: FlowClass) -> None:
+        """A request of `flow` was dispatched as `routed` (straight through or from the queue)."""
+        tenant = flow.tenant
+        prefill = float(max(0, routed.prompt_tokens - routed.predicted_cached))
+        self._in_flight[id(routed)] = _InFlight(tenant, prefill)
+        self.queued_prefill[tenant] = self.queued_prefill.get(tenant, 0.0) + prefill
+        self.running[tenant] = self.running.get(tenant, 0) + 1
+        self.weights[tenant] = flow.weight
+
+    # -- what it answers -------------------------------------------------------------------------------------
+
+    def eligible(self, budget: float, room: float, waiting: Mapping[str, float]) -> Callable[[FlowClass], bool] | None:
+        """Which flows may be dispatched now: `budget` the fleet's prefill budget (tokens), `room` what of it is
+        free, `waiting` the weights of the tenants with queued requests. None: every flow (fewer than two active
+        tenants, or nothing held in reserve)."""
+        weights = {**self.weights, **waiting}
+        if len(weights) < 2:
+            return None
+        total_weight = sum(weights.values())
+        total_sent = sum(self.sent.get(tenant, 0.0) * weight for tenant, weight in weights.items())
+        heavy: set[str] = set()
+        reserve = 0.0
+        for tenant, weight in weights.items():
+            if self.sent.get(tenant, 0.0) * total_weight > total_sent:
+                heavy.add(tenant)
+            else:
+                reserve += max(0.0, budget * weight / total_weight - self.queued_prefill.get(tenant, 0.0))
+        if room > reserve or not heavy:
+            return None
+        return lambda flow: flow.tenant not in heavy
+
+    # -- bookkeeping -----------------------------------------------------------------------------------------
+
+    def _scale(self, now: float) -> float:
+        horizon = self.horizon_s
+        if now - self._base > 50 * horizon:
+            shrink = math.exp(-(now - self._base) / horizon)
+            self.sent = {tenant: v * shrink for tenant, v in self.sent.items() if v * shrink > 1e-3}
+            self._base = now
+        return math.exp((now - self._base) / horizon)
+
+    def _prefilled(self, entry: _InFlight) -> None:
+        if entry.prefill > 0:
+            self.queued_prefill[entry.tenant] = max(0.0, self.queued_prefill[entry.tenant] - entry.prefill)
+            entry.prefill = 0.0
+
+    # RequestListener
+    def on_commit(self, routed: Routed) -> None:
+        return None
+
+    def on_first_token(self, routed: Routed, now: float) -> None:
+        entry = self._in_flight.get(id(routed))
+        if entry is not None:
+            self._prefilled(entry)
+
+    def on_served(self, routed: Routed, cached_tokens: int, now: float) -> None:
+        return None
+
+    def on_finish(self, routed: Routed, now: float) -> None:
+        entry = self._in_flight.pop(id(routed), None)
+        if entry is None:
+            return
+        self._prefilled(entry)
+        tenant = entry.tenant
+        left = self.running[tenant] - 1
+        if left > 0:
+            self.running[tenant] = left
+            return
+        del self.running[tenant]
+        del self.weights[tenant]
+        self.queued_prefill.pop(tenant, None)
+
+
+__all__ = ["HORIZON_S", "TenantShares"]

@@ -1,0 +1,125 @@
+"""Headroom for light tenants (kvrouter.flow.shares): a heavy tenant cannot fill the light tenants' unused share
+of the prefill budget; with one tenant nothing changes."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from kvrouter.flow.classes import FlowClass
+from kvrouter.flow.queue import FlowQueue
+from kvrouter.flow.saturation import SaturationRule
+from kvrouter.flow.settings import FlowConfig
+from kvrouter.flow.shares import TenantShares
+from kvrouter.policies.base import ReplicaLoad
+from kvrouter.routing.lifecycle import Routed
+
+NORMAL = 1
+BUDGET = 4_000.0
+
+
+def flow(tenant: str, weight: float = 1.0) -> FlowClass:
+    return FlowClass(NORMAL, tenant, weight, tenant)
+
+
+class FakeRouted:
+    """What the book reads of a routed request."""
+
+    def __init__(self, prompt_tokens: int, predicted_cached: int = 0) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.predicted_cached = predicted_cached
+
+
+def dispatch(shares: TenantShares, tenant: str, tokens: int, now: float = 0.0, weight: float = 1.0) -> Routed:
+    """A request of `tenant` arrives and goes to a replica."""
+    routed = cast(Routed, FakeRouted(tokens))
+    shares.arrived(flow(tenant, weight), tokens, now)
+    shares.routed(routed, flow(tenant, weight))
+    return routed
+
+
+def test_one_tenant_is_never_held() -> None:
+    shares = TenantShares()
+    dispatch(shares, "a", 10_000)
+    assert shares.eligible(BUDGET, 0.0, {}) is None
+    assert shares.eligible(BUDGET, 0.0, {"a": 1.0}) is None
+
+
+def test_a_heavy_tenant_waits_while_the_room_is_the_light_tenants_reserve() -> None:
+    shares = TenantShares()
+    dispatch(shares, "noisy", 9_000)  # noisy sent 9,000 prompt tokens, light 1,000
+    light = dispatch(shares, "light", 1_000)
+    shares.on_first_token(light, 0.1)  # light's prefill is done: its whole share (2,000 of 4,000) is in reserve
+    eligible = shares.eligible(BUDGET, 1_500.0, {})
+    assert eligible is not None
+    assert not eligible(flow("noisy")) and eligible(flow("light"))
+    assert eligible(flow("newcomer"))  # a tenant with nothing running is not heavy
+    assert shares.eligible(BUDGET, 2_500.0, {}) is None  # more room than the reserve: everyone goes
+    # The light tenant uses its share: the reserve shrinks by what it has queued.
+    dispatch(shares, "light", 1_500)
+    assert shares.eligible(BUDGET, 600.0, {}) is None
+
+
+def test_heaviness_is_what_a_tenant_sent_lately_by_weight() -> None:
+    shares = TenantShares(horizon_s=10.0)
+    dispatch(shares, "a", 4_000, now=0.0)
+    dispatch(shares, "b", 1_000, now=0.0)
+    held = shares.eligible(BUDGET, 0.0, {})
+    assert held is not None and not held(flow("a")) and held(flow("b"))
+    # With a weight of 8, a's 4,000 tokens are half of b's 1,000 per weight: b is the heavy one.
+    weighted = TenantShares(horizon_s=10.0)
+    dispatch(weighted, "a", 4_000, weight=8.0)
+    dispatch(weighted, "b", 1_000)
+    held = weighted.eligible(BUDGET, 0.0, {})
+    assert held is not None and held(flow("a", weight=8.0)) and not held(flow("b"))
+    # What was sent long ago fades: 200 s later b's new 1,000 tokens outweigh a's 4,000.
+    dispatch(shares, "b", 1_000, now=200.0)
+    later = shares.eligible(BUDGET, 0.0, {})
+    assert later is not None and later(flow("a")) and not later(flow("b"))
+
+
+def test_a_tenant_leaves_the_active_set_when_its_last_request_ends() -> None:
+    shares = TenantShares()
+    heavy = dispatch(shares, "heavy", 9_000)
+    light = dispatch(shares, "light", 100)
+    assert shares.eligible(BUDGET, 0.0, {}) is not None
+    shares.on_finish(light, 1.0)
+    assert "light" not in shares.weights and shares.eligible(BUDGET, 0.0, {}) is None
+    # ... unless it waits in the queue: waiting tenants are active too.
+    assert shares.eligible(BUDGET, 0.0, {"light": 1.0}) is not None
+    shares.on_finish(heavy, 2.0)
+    assert shares.weights == {} and shares.queued_prefill == {}
+
+
+def test_the_queue_skips_held_tenants_and_so_does_the_starvation_guard() -> None:
+    queue: FlowQueue[str] = FlowQueue(FlowConfig(starvation_share=1.0))
+    queue.push("noisy-0", flow("noisy"), 0.0)
+    queue.push("light-0", flow("light"), 20.0)
+    assert queue.waiting_weights() == {"noisy": 1.0, "light": 1.0}
+    light_only = lambda candidate: candidate.tenant == "light"  # noqa: E731
+    # noisy-0 has starved (20 s) and the guard serves every starving head, but not a held one.
+    first = queue.pop(20.0, light_only)
+    assert first is not None and first.payload == "light-0"
+    assert queue.pop(20.0, light_only) is None
+    second = queue.pop(20.0)
+    assert second is not None and second.payload == "noisy-0"
+
+
+def test_room_is_the_budget_left_on_each_replica() -> None:
+    rule = SaturationRule(prefill_tokens=1_000)
+    loads = [
+        (ReplicaLoad(pending_prefill_tokens=400), None),
+        (ReplicaLoad(pending_prefill_tokens=5_000), None),
+        (ReplicaLoad(pending_prefill_tokens=5_000), 900.0),  # the policy's estimate wins
+    ]
+    assert rule.room(loads) == 600 + 0 + 100
+
+
+def test_being_held_back_does_not_make_a_heavy_tenant_light() -> None:
+    # Heaviness follows what a tenant sends, not what it is served: a held tenant's waiting requests count.
+    shares = TenantShares()
+    light = dispatch(shares, "light", 1_000)
+    shares.on_first_token(light, 0.1)
+    for _ in range(5):
+        shares.arrived(flow("noisy"), 2_000, 0.2)  # sent, all waiting: nothing of it was served
+    held = shares.eligible(BUDGET, 1_000.0, {"noisy": 1.0})
+    assert held is not None and not held(flow("noisy")) and held(flow("light"))
