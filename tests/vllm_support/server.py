@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,12 +29,45 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DEFAULT_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrouter" / "vllm-venv"
 SERVED_MODEL = "tiny"
+PORT_TAKEN = "Address already in use"
 TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 """Without these vLLM answers 400 to any request carrying `tools` (tool_choice "auto"); the parser only reads
 the model's output, so one that needs no special tokens suits the tiny model."""
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (and to bind(port 0))."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_HANDED_OUT: set[int] = set()
+"""Ports free_port() already gave to a server of this test process (which binds it only later)."""
+
+
 def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range.
+
+    A vLLM server binds its ports a minute or more after it is told them (the NIXL side channel only once its KV
+    cache is registered). A port picked by bind(port 0) comes from the ephemeral range, where any outgoing
+    connection on the machine can take it meanwhile: the server then dies, or (a NIXL listener thread) hangs its
+    engine's start for good. Below the range only another listener can take it.
+    """
+    low = _ephemeral_low()
+    start = 10000 if low > 11000 else 1024
+    for _ in range(1000):
+        port = random.randrange(start, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -178,14 +212,27 @@ class VllmServer:
     def wait_healthy(self, timeout_s: float = 420.0) -> float:
         """Seconds until /health answers 200; raises with the log's tail if the process dies or times out."""
         started = time.monotonic()
+        checks = 0
         while time.monotonic() - started < timeout_s:
             if self.process is None or self.process.poll() is not None:
                 code = None if self.process is None else self.process.returncode
                 raise RuntimeError(f"vLLM {self.name} exited with {code} while starting:\n{self.log_tail()}")
             if self.healthy():
                 return time.monotonic() - started
+            checks += 1
+            if checks % 10 == 0 and PORT_TAKEN in self.this_start_log():
+                # A thread of the engine (the NIXL side channel) can die of it and leave the server waiting.
+                raise RuntimeError(f"vLLM {self.name}: a port was taken while starting:\n{self.log_tail()}")
             time.sleep(0.5)
         raise RuntimeError(f"vLLM {self.name} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def this_start_log(self) -> str:
+        """The log since the latest start."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[text.rfind("\n=== start ") :]
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -234,7 +281,7 @@ def start_all(servers: list[VllmServer], timeout_s: float = 420.0, attempts: int
                     server.wait_healthy(timeout_s)
                     break
                 except RuntimeError:
-                    if attempt + 1 == attempts or "Address already in use" not in server.log_tail(200):
+                    if attempt + 1 == attempts or PORT_TAKEN not in server.this_start_log():
                         raise
                     server.stop()
                     server.port, server.events_port, server.replay_port = free_port(), free_port(), free_port()
