@@ -19,8 +19,8 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ARG BUILD_PACKAGES="" PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CONSTRAINT PIP_TRUSTED_HOST PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
-# build-essential compiles kvrouter's own C extensions (the prefix index's tables, kvrouter/_blocktable.c, and the
-# block keys, kvrouter/_blockkeys.c) and any dependency without a wheel for the platform; it never leaves this stage.
+# build-essential compiles kvrouter's own C extensions (the prefix index's tables, kvrouter/_blocktable.c, the
+# block keys, kvrouter/_blockkeys.c, and kv_aware's cost refit, kvrouter/_costfit.c) and any dependency without a wheel for the platform; it never leaves this stage.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends build-essential ${BUILD_PACKAGES} \
     && rm -rf /var/lib/apt/lists/*
@@ -36,7 +36,7 @@ RUN mkdir -p kvrouter && touch kvrouter/__init__.py \
 COPY setup.py ./
 COPY kvrouter ./kvrouter
 RUN pip install --no-deps . \
-    && (cd / && python -c "import kvrouter._blockkeys; from kvrouter.blocktable import native_backend; native_backend()") \
+    && (cd / && python -c "import kvrouter._blockkeys, kvrouter._costfit; from kvrouter.blocktable import native_backend; native_backend()") \
     && KVROUTER_CACHE_DIR=/opt/kvrouter python -c "from kvrouter.tinymodel import ensure_tokenizer; ensure_tokenizer()"
 
 FROM ${PYTHON_IMAGE} AS runtime

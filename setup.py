@@ -1,10 +1,12 @@
-"""kvrouter's two C extensions; everything else is in pyproject.toml.
+"""kvrouter's three C extensions; everything else is in pyproject.toml.
 
 * `kvrouter._blocktable`: the prefix index's tables (kvrouter/blocktable.py);
 * `kvrouter._blockkeys`: chained block keys, XXH3-64 over the token words (kvrouter/blocks.py), with the official
-  xxHash header vendored in kvrouter/_vendor/xxhash.
+  xxHash header vendored in kvrouter/_vendor/xxhash;
+* `kvrouter._costfit`: kv_aware's cost refit (kvrouter/routing/calibration.py), bit for bit the Python fit, so it
+  is compiled without floating-point contraction (no fused multiply-add) and never with fast-math.
 
-Both are optional: without a C compiler the install still succeeds and kvrouter runs their pure-Python twins
+All three are optional: without a C compiler the install still succeeds and kvrouter runs their pure-Python twins
 (the router logs a warning). They are declared here, not under pyproject's `[tool.setuptools]`, where extension
 modules are still marked experimental.
 """
@@ -12,6 +14,7 @@ modules are still marked experimental.
 from setuptools import Extension, setup
 
 FLAGS = ["-O2", "-std=c11"]
+EXACT_FLOAT_FLAGS = [*FLAGS, "-ffp-contract=off", "-fno-fast-math"]
 
 setup(
     ext_modules=[
@@ -22,6 +25,9 @@ setup(
             depends=["kvrouter/_vendor/xxhash/xxhash.h"],
             extra_compile_args=FLAGS,
             optional=True,
+        ),
+        Extension(
+            "kvrouter._costfit", ["kvrouter/_costfit.c"], extra_compile_args=EXACT_FLOAT_FLAGS, optional=True
         ),
     ]
 )

@@ -177,8 +177,8 @@ in_image_bg() {  # in_image_bg COMMAND...: the same in the background, started b
 log "kvrouter --help (entry point ${entrypoint[*]}, user $user)"
 help_text=$(in_image "${entrypoint[@]}" --help) || fail "'kvrouter --help' fails in the image"
 [[ "$help_text" == *"usage: kvrouter"* ]] || fail "'kvrouter --help' prints no usage in the image: $help_text"
-log "both C extensions import"
-in_image python -c 'import kvrouter._blockkeys, kvrouter._blocktable
+log "the three C extensions import"
+in_image python -c 'import kvrouter._blockkeys, kvrouter._blocktable, kvrouter._costfit
 from kvrouter.blocktable import native_backend
 native_backend()' || fail "kvrouter's C extensions do not import in the image"
 

@@ -237,23 +237,26 @@ def test_deleting_from_a_crowded_table_keeps_every_other_key_reachable() -> None
 
 
 def test_without_the_compiled_extensions_the_router_still_routes() -> None:
-    # An install without a C compiler: both extensions missing. The index and the block keys fall back to their
-    # pure-Python twins and give the same answers (the app logs a warning for each at start).
+    # An install without a C compiler: the three extensions missing. The index, the block keys and the cost refit
+    # fall back to their pure-Python twins and give the same answers (the app logs a warning for each at start).
     script = """
 import importlib.abc, sys
 class Missing(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name in ("kvrouter._blocktable", "kvrouter._blockkeys"):
+        if name in ("kvrouter._blocktable", "kvrouter._blockkeys", "kvrouter._costfit"):
             raise ImportError(name)
 sys.meta_path.insert(0, Missing())
 from kvrouter.blocks import chain_keys, native_block_keys
 from kvrouter.blocktable import load_backend
 from kvrouter.index import PrefixIndex
+from kvrouter.routing.calibration import Observation, ReplicaCosts, fit_costs, native_cost_fit
+window = [Observation(w, 0.5, 1.0, 2.0, 0.01 + w / 1e4) for w in (10.0, 20.0, 40.0, 80.0)]
+fit = fit_costs(window, ReplicaCosts(1e4, 0.01, 0.0))
 keys = chain_keys(list(range(64)), 16)
 index = PrefixIndex()
 index.store_keys("a", [1, 2, 3, 4], keys)
 print(native_block_keys(), load_backend().name, index.backend.name, index.longest_prefixes(keys, 0.0)["a"].blocks,
-      keys[0])
+      keys[0], native_cost_fit(), fit is not None)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["False", "pure", "pure", "4", str(chain_keys(list(range(64)), 16)[0])]
+    assert out == ["False", "pure", "pure", "4", str(chain_keys(list(range(64)), 16)[0]), "False", "True"]

@@ -1,4 +1,5 @@
-"""The fit's unrolled normal equations give bit for bit the fits of the straightforward loops they replaced.
+"""The fit's unrolled normal equations give bit for bit the fits of the straightforward loops they replaced (and so
+does the C fit, `kvrouter/_costfit.c`, which tests/test_costfit_native.py holds to the Python one).
 
 The replay's figures and the live router's decisions depend on every fitted value, so the speed-up must not move
 any of them: the reference below is the earlier implementation, kept verbatim."""
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvrouter.routing import calibration
-from kvrouter.routing.calibration import CalibrationConfig, Observation, ReplicaCosts, fit_costs
+from kvrouter.routing.calibration import CalibrationConfig, Observation, ReplicaCosts, fit_costs, python_fit_costs
 
 
 def reference_fit(
@@ -104,11 +105,14 @@ def test_fits_are_bit_identical_to_the_reference(seed: int) -> None:
     config = CalibrationConfig(prior_samples=rng.choice([0.0, 1.0, 4.0]), iterations=rng.choice([1, 10]))
     sample = observations(rng, rng.choice([3, 24, 256]), idle=seed % 5 == 0, negative_pull=seed % 7 == 0)
     prior = ReplicaCosts(rng.uniform(1_000, 100_000), rng.uniform(0.001, 0.1), rng.uniform(0, 0.001))
-    assert fit_costs(sample, prior, config) == reference_fit(sample, prior, config)
+    expected = reference_fit(sample, prior, config)
+    assert python_fit_costs(sample, prior, config) == expected
+    assert fit_costs(sample, prior, config) == expected  # in C where it was built (tests/test_costfit_native.py)
 
 
 def test_a_reduced_solve_is_exercised(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cases above include fits that pin a coefficient at zero (the generic path, not the unrolled one)."""
+    monkeypatch.setattr(calibration, "_native_fit", None)  # the spy sees the Python fit only
     calls: list[list[int]] = []
     original = calibration._normal_equations
 

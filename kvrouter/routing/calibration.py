@@ -44,14 +44,22 @@ start, engine).
 
 Pure and synchronous; no clock (observations carry their TTFT). Knobs (`CalibrationConfig`): `window` [256],
 `min_samples` [24], `refit_every` [16], `prior_samples` [1], `iterations` [10].
+
+The refit runs on the request path (every `refit_every` first tokens per replica), so its numeric core is in C
+(`kvrouter/_costfit.c`) when that extension was built: the same double operations in the same order as
+`python_fit_costs`, which stays here as the reference and the fallback, so the fits are bit for bit the same
+(tests/test_costfit_native.py). The backend is chosen once, at import: `KVROUTER_PYTHON_COSTFIT=1` in the
+environment forces the Python fit (to measure against it).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol
 
 from kvrouter.typedefs import ReplicaName
 
@@ -59,6 +67,31 @@ _MIN_RATE, _MAX_RATE = 100.0, 1e8
 """Prefill tokens/s a fit may claim: from a CPU toy to far beyond any accelerator."""
 _MAX_PASS_S = 2.0
 _MAX_PER_REQUEST_S = 0.1
+PYTHON_FIT_ENV = "KVROUTER_PYTHON_COSTFIT"
+"""Set (to anything but 0 or empty) in the environment at import: the refit runs in Python even if C is built."""
+
+
+class _NativeFit(Protocol):
+    def __call__(
+        self,
+        observations: Sequence[Observation],
+        pass_s: float,
+        decode_s_per_request: float,
+        prefill_tokens_per_s: float,
+        prior_samples: float,
+        iterations: int,
+        /,
+    ) -> tuple[float, float, float] | Literal[False] | None: ...
+
+
+def _load_native_fit() -> _NativeFit | None:
+    if os.environ.get(PYTHON_FIT_ENV, "") not in ("", "0"):
+        return None
+    try:  # absent when the extension was not built
+        from kvrouter._costfit import fit
+    except ImportError:
+        return None
+    return fit
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +270,37 @@ def _median(values: Sequence[float]) -> float:
 def fit_costs(
     observations: Sequence[Observation], prior: ReplicaCosts, config: CalibrationConfig | None = None
 ) -> ReplicaCosts | None:
-    """Least-absolute-deviation fit of the TTFT model to `observations`, pulled toward `prior`; None if it fails."""
+    """Least-absolute-deviation fit of the TTFT model to `observations`, pulled toward `prior`; None if it fails.
+
+    In C when the extension was built (bit for bit `python_fit_costs`); in Python for what C declines (inputs
+    that are not plain floats, a NaN TTFT, anything on which the Python fit raises)."""
+    config = config or CalibrationConfig()
+    if _native_fit is not None:
+        fitted = _native_fit(
+            observations,
+            prior.pass_s,
+            prior.decode_s_per_request,
+            prior.prefill_tokens_per_s,
+            config.prior_samples,
+            config.iterations,
+        )
+        if fitted is None:
+            return None
+        if fitted is not False:
+            rate, pass_s, per_request = fitted
+            return ReplicaCosts(rate, pass_s, per_request, len(observations))
+    return python_fit_costs(observations, prior, config)
+
+
+def native_cost_fit() -> bool:
+    """Whether `fit_costs` runs in C (built, and not forced to Python by `KVROUTER_PYTHON_COSTFIT`)."""
+    return _native_fit is not None
+
+
+def python_fit_costs(
+    observations: Sequence[Observation], prior: ReplicaCosts, config: CalibrationConfig | None = None
+) -> ReplicaCosts | None:
+    """`fit_costs` in Python: the reference `kvrouter/_costfit.c` matches bit for bit, and its fallback."""
     config = config or CalibrationConfig()
     rows = [(o.short, o.passes * o.decoding, o.work_tokens) for o in observations]
     targets = [o.ttft_s for o in observations]
@@ -365,4 +428,16 @@ def _gauss(matrix: list[list[float]], vector: list[float]) -> list[float] | None
     return solution
 
 
-__all__ = ["CalibrationConfig", "CostCalibrator", "Observation", "ReplicaCosts", "fit_costs"]
+_native_fit = _load_native_fit()
+"""The C fit, chosen once at import (None: the Python fit)."""
+
+__all__ = [
+    "PYTHON_FIT_ENV",
+    "CalibrationConfig",
+    "CostCalibrator",
+    "Observation",
+    "ReplicaCosts",
+    "fit_costs",
+    "native_cost_fit",
+    "python_fit_costs",
+]

@@ -40,6 +40,7 @@ from kvrouter.policies import build_policy
 from kvrouter.policies.kv_aware import KvAwarePolicy
 from kvrouter.redisplane.loadplane import LoadPlaneCollector, RedisLoadPlane, build_load_plane, instance_name
 from kvrouter.redisplane.wiring import build_follower
+from kvrouter.routing.calibration import PYTHON_FIT_ENV, native_cost_fit
 from kvrouter.routing.disagg import DisaggSettings, PdPlanner
 from kvrouter.routing.herding import BlindGroup, BlindGroupConfig
 from kvrouter.routing.lifecycle import EventListener, RequestListener, tell_cleared
@@ -247,6 +248,12 @@ def create_app(
         blind_group=blind_group,
         clock=clock,
     )
+    if isinstance(policy, KvAwarePolicy) and policy.calibration is not None and not native_cost_fit():
+        log.warning(
+            "kv_aware's cost refit runs in Python (kvrouter._costfit was not built, or %s is set): ~30x slower, "
+            "same fits",
+            PYTHON_FIT_ENV,
+        )
     cost_source = policy if isinstance(policy, CostSource) else None
     engine_rates = None
     engine_feed = None
