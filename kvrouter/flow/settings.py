@@ -17,6 +17,7 @@
       engine_priority: false        # write the header's band into the body's `priority` for the engines
       fair_horizon_s: null          # null: VTC's counters; a number: service decays with that time constant
       tenant_headroom: true         # a heavy tenant cannot fill the light tenants' unused share of the budget
+      band_headroom: false          # true: a band cannot fill the more urgent bands' unused share of the budget
       tenant_from: [header, api_key, user]
       tenants:                      # weights for fair sharing (others weigh 1)
         team-a: {weight: 2, api_keys: ["sk-..."]}
@@ -119,6 +120,12 @@ class FlowConfig(BaseModel):
         description="Keep room for light tenants: while a tenant takes more than its weighted share of recent "
         "service, it is not dispatched into the part of the prefill budget (hold_passes x kv_batch_tokens per "
         "replica) that is the other active tenants' share and still unused (docs/flow-control.md).",
+    )
+    band_headroom: bool = Field(
+        default=False,
+        description="Keep room for the more urgent bands: a request is not dispatched into the part of the prefill "
+        "budget that is the more urgent bands' share of recent arrivals (prompt tokens) and still unused by them "
+        "(docs/flow-control.md). Nothing changes while every request is in one band.",
     )
     fail_fast: bool = Field(
         default=True,

@@ -51,7 +51,7 @@ from kvrouter.flow.classes import FlowClass, FlowClassifier
 from kvrouter.flow.queue import FlowQueue
 from kvrouter.flow.saturation import SaturationRule
 from kvrouter.flow.settings import FlowConfig
-from kvrouter.flow.shares import TenantShares
+from kvrouter.flow.shares import BandShares, TenantShares, both
 from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import IndexWriter
 from kvrouter.policies.base import Policy, ReplicaLoad
@@ -332,6 +332,7 @@ class Replay:
         flow = self.options.flow
         self.queue: FlowQueue[int] | None = None
         self.shares: TenantShares | None = None
+        self.band_shares: BandShares | None = None
         if flow is not None and flow.enabled:
             if spread.routers > 1:
                 raise ValueError("the router queue replays with one router (--routers 1)")
@@ -344,6 +345,9 @@ class Replay:
             if flow.tenant_headroom:
                 self.shares = TenantShares()
                 self.instances[0].router.add_listener(self.shares)
+            if flow.band_headroom and len(flow.bands) > 1:
+                self.band_shares = BandShares(len(flow.bands))
+                self.instances[0].router.add_listener(self.band_shares)
         classifier = FlowClassifier(flow or FlowConfig())
         self._band_names = [band.name for band in classifier.config.bands]
         urgent, default = 0, classifier.default_band
@@ -486,6 +490,8 @@ class Replay:
         queue = self.queue
         if self.shares is not None:
             self.shares.arrived(flow, request.input_length, self.now)
+        if self.band_shares is not None:
+            self.band_shares.arrived(flow, request.input_length, self.now)
         if queue is not None and (len(queue) > 0 or self._saturated() or not self._eligible(flow)):
             predicted = queue.predicted_wait(flow) if queue.config.fail_fast else None
             if predicted is not None and predicted > queue.bands[flow.band].ttl_s:
@@ -521,16 +527,20 @@ class Replay:
 
     def _dispatchable(self) -> Callable[[FlowClass], bool] | None:
         """Which flows may go now (`TenantShares.eligible`: heavy tenants wait while the fleet's room is the
-        light tenants' reserve); None: every flow."""
-        shares, queue = self.shares, self.queue
-        if shares is None or queue is None:
+        light tenants' reserve; `BandShares.eligible`: a band waits while the room is the more urgent bands'
+        reserve); None: every flow."""
+        shares, bands, queue = self.shares, self.band_shares, self.queue
+        if (shares is None and bands is None) or queue is None:
             return None
         budget = self.saturation.prefill_tokens * len(self.routes)
-        return shares.eligible(budget, self.saturation.room(self._loads()), queue.waiting_weights())
+        room = self.saturation.room(self._loads())
+        tenants = None if shares is None else shares.eligible(budget, room, queue.waiting_weights())
+        return both(tenants, None if bands is None else bands.eligible(budget, room))
 
     def _eligible(self, flow: FlowClass) -> bool:
-        if self.shares is None or len(self.shares.weights) < 2:
-            return True  # the queue is empty here: fewer than two active tenants, nobody is held for another
+        tenants_idle = self.shares is None or len(self.shares.weights) < 2
+        if tenants_idle and (self.band_shares is None or not self.band_shares.may_hold(flow.band)):
+            return True  # the queue is empty here: nobody is held for another tenant or band
         eligible = self._dispatchable()
         return eligible is None or eligible(flow)
 
@@ -633,6 +643,8 @@ class Replay:
             self.queue.charge(flow, computed, self.now)
             if self.shares is not None:
                 self.shares.routed(routed, flow)
+            if self.band_shares is not None:
+                self.band_shares.routed(routed, flow)
             served = (computed + request.output_length) / flow.weight
             self._window_service[flow.tenant] = self._window_service.get(flow.tenant, 0.0) + served
         engine.model.add(

@@ -36,7 +36,7 @@ from kvrouter.flow.classes import FlowClass, FlowClassifier
 from kvrouter.flow.queue import FlowQueue, Waiter
 from kvrouter.flow.saturation import SaturationRule
 from kvrouter.flow.settings import FlowConfig
-from kvrouter.flow.shares import TenantShares
+from kvrouter.flow.shares import BandShares, TenantShares, both
 from kvrouter.metrics import LATENCY_BUCKETS
 from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.policies.base import Decision, ReplicaLoad
@@ -173,6 +173,9 @@ class FlowGate:
         self.shares = TenantShares() if config.tenant_headroom else None
         if self.shares is not None:
             router.add_listener(self.shares)
+        self.band_shares = BandShares(len(config.bands)) if config.band_headroom and len(config.bands) > 1 else None
+        if self.band_shares is not None:
+            router.add_listener(self.band_shares)
 
     # -- the request path ------------------------------------------------------------------------------------
 
@@ -189,6 +192,8 @@ class FlowGate:
             return Admission(flow)
         if self.shares is not None:
             self.shares.arrived(flow, facts.prompt_tokens or 0, self.clock())
+        if self.band_shares is not None:
+            self.band_shares.arrived(flow, facts.prompt_tokens or 0, self.clock())
         routable = self.replicas.routable()
         if not routable or (len(self.queue) == 0 and not self._saturated(routable) and self._eligible(flow, routable)):
             # No replica at all is the proxy's 503, as without the gate; room now goes straight through.
@@ -228,6 +233,8 @@ class FlowGate:
         self._flows[id(routed)] = flow
         if self.shares is not None:
             self.shares.routed(routed, flow)
+        if self.band_shares is not None:
+            self.band_shares.routed(routed, flow)
 
     def _charge(self, flow: FlowClass, tokens: float) -> None:
         if tokens > 0:
@@ -268,16 +275,20 @@ class FlowGate:
 
     def _dispatchable(self, routable: list[ReplicaState]) -> Callable[[FlowClass], bool] | None:
         """Which flows may go now (`TenantShares.eligible`: a heavy tenant waits while the fleet's room is the
-        light tenants' reserve); None: every flow."""
-        shares = self.shares
-        if shares is None:
+        light tenants' reserve; `BandShares.eligible`: a band waits while it is the more urgent bands' reserve);
+        None: every flow."""
+        shares, bands = self.shares, self.band_shares
+        if shares is None and bands is None:
             return None
         budget = self.rule.prefill_tokens * len(routable)
-        return shares.eligible(budget, self.rule.room(self._loads(routable)), self.queue.waiting_weights())
+        room = self.rule.room(self._loads(routable))
+        tenants = None if shares is None else shares.eligible(budget, room, self.queue.waiting_weights())
+        return both(tenants, None if bands is None else bands.eligible(budget, room))
 
     def _eligible(self, flow: FlowClass, routable: list[ReplicaState]) -> bool:
-        if self.shares is None or (len(self.shares.weights) < 2 and len(self.queue) == 0):
-            return True  # fewer than two active tenants: nobody is held for another (and no room to compute)
+        tenants_idle = self.shares is None or (len(self.shares.weights) < 2 and len(self.queue) == 0)
+        if tenants_idle and (self.band_shares is None or not self.band_shares.may_hold(flow.band)):
+            return True  # nobody is held for another (and no room to compute)
         eligible = self._dispatchable(routable)
         return eligible is None or eligible(flow)
 
@@ -400,7 +411,8 @@ class FlowGate:
         return None if waiter is None else self.queue.position(waiter, self.clock())
 
     def _held_back(self) -> list[str]:
-        """The waiting tenants (labels) kept out of the light tenants' headroom right now (`kvrouter.flow.shares`)."""
+        """The waiting tenants (labels) kept out of the light tenants' headroom (or, with `band_headroom`, out of
+        the more urgent bands' reserve) right now (`kvrouter.flow.shares`)."""
         routable = self.replicas.routable()
         eligible = self._dispatchable(routable) if routable else None
         if eligible is None:
