@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
@@ -133,11 +134,12 @@ async def test_a_client_that_leaves_while_queued_sends_nothing_upstream(
     assert client.app[PROXY].load.in_flight_total() == 0
 
 
+@pytest.mark.parametrize("band_headroom", [False, True])
 async def test_a_high_priority_request_overtakes_the_queue(
-    aiohttp_client: Any, fake_replicas: ReplicaFactory, tokenizer_dir: Path
+    aiohttp_client: Any, fake_replicas: ReplicaFactory, tokenizer_dir: Path, band_headroom: bool
 ) -> None:
     (replica,) = await fake_replicas(1, first_delay=0.3)
-    client = await start_router(aiohttp_client, [replica], tokenizer_dir)
+    client = await start_router(aiohttp_client, [replica], tokenizer_dir, {"band_headroom": band_headroom})
     gate = client.app[PROXY].gate
     assert gate is not None
     tasks = [asyncio.create_task(client.post("/v1/completions", json=body(0)))]
