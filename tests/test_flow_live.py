@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
@@ -133,13 +134,15 @@ async def test_a_client_that_leaves_while_queued_sends_nothing_upstream(
     assert client.app[PROXY].load.in_flight_total() == 0
 
 
+@pytest.mark.parametrize("flow", [{}, {"band_headroom": True}, {"kv_capacity_tokens": 1_000_000}])
 async def test_a_high_priority_request_overtakes_the_queue(
-    aiohttp_client: Any, fake_replicas: ReplicaFactory, tokenizer_dir: Path
+    aiohttp_client: Any, fake_replicas: ReplicaFactory, tokenizer_dir: Path, flow: dict[str, Any]
 ) -> None:
     (replica,) = await fake_replicas(1, first_delay=0.3)
-    client = await start_router(aiohttp_client, [replica], tokenizer_dir)
+    client = await start_router(aiohttp_client, [replica], tokenizer_dir, flow)
     gate = client.app[PROXY].gate
     assert gate is not None
+    assert (gate.kv_reserve is not None) == ("kv_capacity_tokens" in flow)
     tasks = [asyncio.create_task(client.post("/v1/completions", json=body(0)))]
     await eventually(lambda: len(replica.completions_seen()) == 1, what="the first request reached the replica")
     for number in (1, 2):

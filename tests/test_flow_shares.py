@@ -9,7 +9,7 @@ from kvrouter.flow.classes import FlowClass
 from kvrouter.flow.queue import FlowQueue
 from kvrouter.flow.saturation import SaturationRule
 from kvrouter.flow.settings import FlowConfig
-from kvrouter.flow.shares import TenantShares
+from kvrouter.flow.shares import BandShares, TenantShares, both
 from kvrouter.policies.base import ReplicaLoad
 from kvrouter.routing.lifecycle import Routed
 
@@ -123,3 +123,70 @@ def test_being_held_back_does_not_make_a_heavy_tenant_light() -> None:
         shares.arrived(flow("noisy"), 2_000, 0.2)  # sent, all waiting: nothing of it was served
     held = shares.eligible(BUDGET, 1_000.0, {"noisy": 1.0})
     assert held is not None and not held(flow("noisy")) and held(flow("light"))
+
+
+# -- headroom for the more urgent bands (BandShares) -------------------------------------------------------------
+
+HIGH, LOW = 0, 2
+
+
+def band_flow(band: int) -> FlowClass:
+    return FlowClass(band, "anonymous")
+
+
+def send(bands: BandShares, band: int, tokens: int, now: float = 0.0) -> Routed:
+    """A request of `band` arrives and goes to a replica."""
+    routed = cast(Routed, FakeRouted(tokens))
+    bands.arrived(band_flow(band), tokens, now)
+    bands.routed(routed, band_flow(band))
+    return routed
+
+
+def test_one_band_is_never_held() -> None:
+    bands = BandShares(3)
+    send(bands, NORMAL, 50_000)
+    assert not bands.may_hold(NORMAL) and not bands.may_hold(HIGH) and bands.may_hold(LOW)
+    assert bands.eligible(BUDGET, 0.0) is None  # the only band sending has nothing before it
+    assert bands.reserves(BUDGET) == [0.0, 0.0, 0.0]
+
+
+def test_a_band_waits_while_the_room_is_the_more_urgent_bands_reserve() -> None:
+    bands = BandShares(3)
+    urgent = send(bands, HIGH, 2_000)  # high sent 20% of the prompt tokens
+    send(bands, NORMAL, 8_000)
+    assert bands.may_hold(NORMAL)
+    # High's share of the budget (800 of 4,000) less its own queued prefill (2,000): nothing in reserve yet.
+    assert bands.eligible(BUDGET, 100.0) is None
+    bands.on_first_token(urgent, 0.1)  # its prefill is done: its whole share is in reserve
+    eligible = bands.eligible(BUDGET, 500.0)
+    assert eligible is not None
+    assert eligible(band_flow(HIGH)) and not eligible(band_flow(NORMAL)) and not eligible(band_flow(LOW))
+    assert bands.eligible(BUDGET, 900.0) is None  # more room than the reserve: every band goes
+    # The low band's reserve is the high and the normal band's shares (normal's own prefill still queued).
+    assert bands.reserves(BUDGET) == [0.0, 800.0, 800.0]
+
+
+def test_a_band_that_stopped_sending_is_no_longer_held_for() -> None:
+    bands = BandShares(2)
+    urgent = send(bands, HIGH, 2_000, now=0.0)
+    bands.on_finish(urgent, 1.0)
+    send(bands, NORMAL, 8_000, now=1.0)
+    assert bands.reserves(BUDGET)[NORMAL] > 0
+    send(bands, NORMAL, 8_000, now=3_000.0)  # 100 time constants later, past the rebase: high's share is gone
+    assert not bands.may_hold(NORMAL)
+    assert bands.eligible(BUDGET, 0.0) is None
+
+
+def test_both_combines_predicates() -> None:
+    assert both(None, None) is None
+    only_high = BandShares(2)
+    send(only_high, HIGH, 1_000)
+    assert both(None, lambda flow: flow.band == 0) is not None
+    combined = both(lambda flow: flow.tenant == "a", lambda flow: flow.band == 0)
+    assert combined is not None
+    assert combined(FlowClass(0, "a")) and not combined(FlowClass(1, "a")) and not combined(FlowClass(0, "b"))
+
+
+def test_the_flow_section_keeps_band_headroom_off_by_default() -> None:
+    assert FlowConfig().band_headroom is False
+    assert FlowConfig(band_headroom=True).band_headroom is True

@@ -17,6 +17,9 @@
       engine_priority: false        # write the header's band into the body's `priority` for the engines
       fair_horizon_s: null          # null: VTC's counters; a number: service decays with that time constant
       tenant_headroom: true         # a heavy tenant cannot fill the light tenants' unused share of the budget
+      band_headroom: false          # true: a band cannot fill the more urgent bands' unused share of the budget
+      band_kv_reserve: true         # each replica keeps the more urgent bands' largest recent prompt's KV free ...
+      kv_capacity_tokens: null      # ... given the engines' KV cache in tokens (num_gpu_blocks x block_size)
       tenant_from: [header, api_key, user]
       tenants:                      # weights for fair sharing (others weigh 1)
         team-a: {weight: 2, api_keys: ["sk-..."]}
@@ -119,6 +122,25 @@ class FlowConfig(BaseModel):
         description="Keep room for light tenants: while a tenant takes more than its weighted share of recent "
         "service, it is not dispatched into the part of the prefill budget (hold_passes x kv_batch_tokens per "
         "replica) that is the other active tenants' share and still unused (docs/flow-control.md).",
+    )
+    band_headroom: bool = Field(
+        default=False,
+        description="Keep room for the more urgent bands: a request is not dispatched into the part of the prefill "
+        "budget that is the more urgent bands' share of recent arrivals (prompt tokens) and still unused by them "
+        "(docs/flow-control.md). Nothing changes while every request is in one band.",
+    )
+    band_kv_reserve: bool = Field(
+        default=True,
+        description="Keep KV room for the more urgent bands: a request is dispatched only while some replica with "
+        "room keeps free the KV cache the more urgent bands' largest prompt of the last minute needs, and is routed "
+        "among the replicas keeping it (docs/flow-control.md). Needs kv_capacity_tokens (the replay takes it from "
+        "its engines) and scraped KV usage; nothing changes while every request is in one band.",
+    )
+    kv_capacity_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Each engine's KV cache in tokens (vLLM's num_gpu_blocks x block_size), for band_kv_reserve "
+        "(null: unknown, so no reserve live; the replay takes it from its engines).",
     )
     fail_fast: bool = Field(
         default=True,

@@ -146,4 +146,106 @@ class TenantShares:
         self.queued_prefill.pop(tenant, None)
 
 
-__all__ = ["HORIZON_S", "TenantShares"]
+class BandShares:
+    """Headroom for the more urgent bands: the less urgent ones cannot fill the prefill budget the more urgent ones'
+    recent share of arrivals would use.
+
+    Strict order between bands decides who goes first among the requests waiting together, but a request of the
+    first band that arrives while the fleet is at the saturation threshold still waits — in the router for room,
+    then on its replica behind the passes of prefill queued there — for what the default band already filled. So,
+    as for light tenants (`TenantShares`), the budget (`hold_passes` x `kv_batch_tokens` per routable replica) is
+    divided by demand: each band's **share** is the prompt tokens of its arrivals over those of all arrivals
+    (decayed with `HORIZON_S`), and the bands more urgent than a request's band have in reserve their share of the
+    budget less their own queued prefill (uncached prompt tokens of their dispatched requests without a first
+    token). A request of band b is dispatched (or goes straight through) only while the fleet's room exceeds the
+    reserve of the bands before b; the first band goes whenever the fleet has room, as without it.
+
+    Nothing is held for a band that sent nothing lately (its share decays to nothing), so a fleet whose requests
+    are all in one band is unchanged; what it holds back is at most the more urgent bands' unused share, which they
+    fill as soon as they send. Like `TenantShares`, a `RequestListener` told of arrivals and dispatches by the
+    caller.
+    """
+
+    def __init__(self, bands: int, horizon_s: float = HORIZON_S) -> None:
+        self.horizon_s = horizon_s
+        self.sent = [0.0] * bands
+        """Per band: prompt tokens of its arrivals, decayed with `horizon_s`, kept scaled by e^((now - base) / h)."""
+        self.queued_prefill = [0.0] * bands
+        """Per band: uncached prompt tokens of its dispatched requests without a first token."""
+        self._in_flight: dict[int, tuple[int, float]] = {}
+        self._base = 0.0
+
+    def arrived(self, flow: FlowClass, prompt_tokens: int, now: float) -> None:
+        if prompt_tokens > 0:
+            self.sent[flow.band] += prompt_tokens * self._scale(now)
+
+    def routed(self, routed: Routed, flow: FlowClass) -> None:
+        prefill = float(max(0, routed.prompt_tokens - routed.predicted_cached))
+        self._in_flight[id(routed)] = (flow.band, prefill)
+        self.queued_prefill[flow.band] += prefill
+
+    def may_hold(self, band: int) -> bool:
+        """Whether anything is held for the bands before `band` at all (some of them sent lately)."""
+        return any(sent > 0 for sent in self.sent[:band])
+
+    def reserves(self, budget: float) -> list[float]:
+        """Per band: the prefill tokens held in reserve for the bands more urgent than it."""
+        total = sum(self.sent)
+        reserves = [0.0] * len(self.sent)
+        if total <= 0:
+            return reserves
+        held = 0.0
+        for band, sent in enumerate(self.sent):
+            reserves[band] = held
+            held += max(0.0, budget * sent / total - self.queued_prefill[band])
+        return reserves
+
+    def eligible(self, budget: float, room: float) -> Callable[[FlowClass], bool] | None:
+        """Which flows may be dispatched now; None: every flow (no band is kept out of the room)."""
+        held = [0 < reserve >= room for reserve in self.reserves(budget)]
+        if not any(held):
+            return None
+        return lambda flow: not held[flow.band]
+
+    def _scale(self, now: float) -> float:
+        horizon = self.horizon_s
+        if now - self._base > 50 * horizon:
+            shrink = math.exp(-(now - self._base) / horizon)
+            self.sent = [v * shrink if v * shrink > 1e-3 else 0.0 for v in self.sent]
+            self._base = now
+        return math.exp((now - self._base) / horizon)
+
+    def _prefilled(self, key: int) -> None:
+        entry = self._in_flight.get(key)
+        if entry is not None and entry[1] > 0:
+            band, prefill = entry
+            self.queued_prefill[band] = max(0.0, self.queued_prefill[band] - prefill)
+            self._in_flight[key] = (band, 0.0)
+
+    # RequestListener
+    def on_commit(self, routed: Routed) -> None:
+        return None
+
+    def on_first_token(self, routed: Routed, now: float) -> None:
+        self._prefilled(id(routed))
+
+    def on_served(self, routed: Routed, cached_tokens: int, now: float) -> None:
+        return None
+
+    def on_finish(self, routed: Routed, now: float) -> None:
+        self._prefilled(id(routed))
+        self._in_flight.pop(id(routed), None)
+
+
+def both(
+    first: Callable[[FlowClass], bool] | None, second: Callable[[FlowClass], bool] | None
+) -> Callable[[FlowClass], bool] | None:
+    """The flows both predicates accept (None accepts every flow)."""
+    if first is None:
+        return second
+    if second is None:
+        return first
+    return lambda flow: first(flow) and second(flow)
+
+
+__all__ = ["HORIZON_S", "BandShares", "TenantShares", "both"]

@@ -48,10 +48,11 @@ from dataclasses import dataclass, field, replace
 from typing import cast
 
 from kvrouter.flow.classes import FlowClass, FlowClassifier
+from kvrouter.flow.kv_reserve import KvReserve
 from kvrouter.flow.queue import FlowQueue
 from kvrouter.flow.saturation import SaturationRule
 from kvrouter.flow.settings import FlowConfig
-from kvrouter.flow.shares import TenantShares
+from kvrouter.flow.shares import BandShares, TenantShares, both
 from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import IndexWriter
 from kvrouter.policies.base import Policy, ReplicaLoad
@@ -332,6 +333,8 @@ class Replay:
         flow = self.options.flow
         self.queue: FlowQueue[int] | None = None
         self.shares: TenantShares | None = None
+        self.band_shares: BandShares | None = None
+        self.kv_reserve: KvReserve | None = None
         if flow is not None and flow.enabled:
             if spread.routers > 1:
                 raise ValueError("the router queue replays with one router (--routers 1)")
@@ -344,6 +347,12 @@ class Replay:
             if flow.tenant_headroom:
                 self.shares = TenantShares()
                 self.instances[0].router.add_listener(self.shares)
+            if flow.band_headroom and len(flow.bands) > 1:
+                self.band_shares = BandShares(len(flow.bands))
+                self.instances[0].router.add_listener(self.band_shares)
+            capacity = flow.kv_capacity_tokens or self._kv_capacity()
+            if flow.band_kv_reserve and len(flow.bands) > 1 and capacity:
+                self.kv_reserve = KvReserve(len(flow.bands), capacity)
         classifier = FlowClassifier(flow or FlowConfig())
         self._band_names = [band.name for band in classifier.config.bands]
         urgent, default = 0, classifier.default_band
@@ -486,6 +495,10 @@ class Replay:
         queue = self.queue
         if self.shares is not None:
             self.shares.arrived(flow, request.input_length, self.now)
+        if self.band_shares is not None:
+            self.band_shares.arrived(flow, request.input_length, self.now)
+        if self.kv_reserve is not None:
+            self.kv_reserve.arrived(flow, request.input_length, self.now)
         if queue is not None and (len(queue) > 0 or self._saturated() or not self._eligible(flow)):
             predicted = queue.predicted_wait(flow) if queue.config.fail_fast else None
             if predicted is not None and predicted > queue.bands[flow.band].ttl_s:
@@ -521,16 +534,39 @@ class Replay:
 
     def _dispatchable(self) -> Callable[[FlowClass], bool] | None:
         """Which flows may go now (`TenantShares.eligible`: heavy tenants wait while the fleet's room is the
-        light tenants' reserve); None: every flow."""
-        shares, queue = self.shares, self.queue
-        if shares is None or queue is None:
+        light tenants' reserve; `BandShares.eligible`: a band waits while the room is the more urgent bands'
+        reserve); None: every flow."""
+        shares, bands, queue = self.shares, self.band_shares, self.queue
+        if (shares is None and bands is None) or queue is None:
             return None
         budget = self.saturation.prefill_tokens * len(self.routes)
-        return shares.eligible(budget, self.saturation.room(self._loads()), queue.waiting_weights())
+        room = self.saturation.room(self._loads())
+        tenants = None if shares is None else shares.eligible(budget, room, queue.waiting_weights())
+        return both(both(tenants, None if bands is None else bands.eligible(budget, room)), self._kv_open())
+
+    def _kv_capacity(self) -> int | None:
+        """The engines' smallest KV cache in tokens (the replay knows its engines), None when a model hides it."""
+        sizes = [getattr(getattr(engine.model, "config", None), "num_blocks", None) for engine in self.engines]
+        if any(size is None for size in sizes):
+            return None
+        return min(cast(int, size) for size in sizes) * self.engines[0].model.block_size
+
+    def _kv_open(self) -> Callable[[FlowClass], bool] | None:
+        """Which bands some replica with room keeps the KV reserve for (`KvReserve`); None: every band."""
+        reserve = self.kv_reserve
+        if reserve is None:
+            return None
+        loads = ((load, self.saturation.reason(load, queued) is None) for load, queued in self._loads())
+        opened = reserve.open_bands(loads, self.now)
+        if all(opened):
+            return None
+        return lambda flow: opened[flow.band]
 
     def _eligible(self, flow: FlowClass) -> bool:
-        if self.shares is None or len(self.shares.weights) < 2:
-            return True  # the queue is empty here: fewer than two active tenants, nobody is held for another
+        tenants_idle = self.shares is None or len(self.shares.weights) < 2
+        kv_idle = self.kv_reserve is None or self.kv_reserve.reserve(flow.band, self.now) <= 0
+        if tenants_idle and kv_idle and (self.band_shares is None or not self.band_shares.may_hold(flow.band)):
+            return True  # the queue is empty here: nobody is held for another tenant or band
         eligible = self._dispatchable()
         return eligible is None or eligible(flow)
 
@@ -600,7 +636,7 @@ class Replay:
         if self.planner is not None:
             self._route_pd(position, facts, instance)
             return
-        decision = instance.router.decide(facts, self.routes)
+        decision = instance.router.decide(facts, self._kv_routes(request.index))
         placements = self.options.placements
         placed = None if placements is None else placements.get(request.index)
         if placed is not None:
@@ -633,6 +669,8 @@ class Replay:
             self.queue.charge(flow, computed, self.now)
             if self.shares is not None:
                 self.shares.routed(routed, flow)
+            if self.band_shares is not None:
+                self.band_shares.routed(routed, flow)
             served = (computed + request.output_length) / flow.weight
             self._window_service[flow.tenant] = self._window_service.get(flow.tenant, 0.0) + served
         engine.model.add(
@@ -646,6 +684,17 @@ class Replay:
             )
         )
         self._queue_start(engine)
+
+    def _kv_routes(self, index: int) -> list[Route]:
+        """The routes a request may take: with the KV reserve, those keeping its band's reserve (all when none)."""
+        reserve = self.kv_reserve
+        if reserve is None:
+            return self.routes
+        tokens = reserve.reserve(self._flows[index].band, self.now)
+        if tokens <= 0:
+            return self.routes
+        keeping = [route for route in self.routes if reserve.keeps(self.load.snapshot(route.name), tokens)]
+        return keeping or self.routes
 
     def _engine_priority(self, index: int) -> int:
         """vLLM's `priority` for the request: its band's distance from the default band (the integer that

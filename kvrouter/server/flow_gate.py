@@ -33,16 +33,17 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvrouter.flow.classes import FlowClass, FlowClassifier
+from kvrouter.flow.kv_reserve import KvReserve
 from kvrouter.flow.queue import FlowQueue, Waiter
 from kvrouter.flow.saturation import SaturationRule
 from kvrouter.flow.settings import FlowConfig
-from kvrouter.flow.shares import TenantShares
+from kvrouter.flow.shares import BandShares, TenantShares, both
 from kvrouter.metrics import LATENCY_BUCKETS
 from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.policies.base import Decision, ReplicaLoad
 from kvrouter.routing.adapters import unavailable as adapter_unavailable
 from kvrouter.routing.lifecycle import Routed
-from kvrouter.routing.router import Router, RoutingFacts
+from kvrouter.routing.router import Route, Router, RoutingFacts
 from kvrouter.server.replicas import ReplicaSet, ReplicaState
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,12 @@ class FlowGate:
         self.shares = TenantShares() if config.tenant_headroom else None
         if self.shares is not None:
             router.add_listener(self.shares)
+        self.band_shares = BandShares(len(config.bands)) if config.band_headroom and len(config.bands) > 1 else None
+        if self.band_shares is not None:
+            router.add_listener(self.band_shares)
+        capacity = config.kv_capacity_tokens
+        reserve_on = config.band_kv_reserve and len(config.bands) > 1 and capacity is not None
+        self.kv_reserve = KvReserve(len(config.bands), capacity) if reserve_on and capacity is not None else None
 
     # -- the request path ------------------------------------------------------------------------------------
 
@@ -189,8 +196,17 @@ class FlowGate:
             return Admission(flow)
         if self.shares is not None:
             self.shares.arrived(flow, facts.prompt_tokens or 0, self.clock())
+        if self.band_shares is not None:
+            self.band_shares.arrived(flow, facts.prompt_tokens or 0, self.clock())
+        if self.kv_reserve is not None:
+            self.kv_reserve.arrived(flow, facts.prompt_tokens or 0, self.clock())
         routable = self.replicas.routable()
-        if not routable or (len(self.queue) == 0 and not self._saturated(routable) and self._eligible(flow, routable)):
+        if not routable or (
+            len(self.queue) == 0
+            and not self._saturated(routable)
+            and self._eligible(flow, routable)
+            and not self._kv_reserved(flow)
+        ):
             # No replica at all is the proxy's 503, as without the gate; room now goes straight through.
             self.metrics.dispatched.labels(band, flow.label, "direct").inc()
             return Admission(flow)
@@ -228,6 +244,8 @@ class FlowGate:
         self._flows[id(routed)] = flow
         if self.shares is not None:
             self.shares.routed(routed, flow)
+        if self.band_shares is not None:
+            self.band_shares.routed(routed, flow)
 
     def _charge(self, flow: FlowClass, tokens: float) -> None:
         if tokens > 0:
@@ -268,16 +286,47 @@ class FlowGate:
 
     def _dispatchable(self, routable: list[ReplicaState]) -> Callable[[FlowClass], bool] | None:
         """Which flows may go now (`TenantShares.eligible`: a heavy tenant waits while the fleet's room is the
-        light tenants' reserve); None: every flow."""
-        shares = self.shares
-        if shares is None:
+        light tenants' reserve; `BandShares.eligible`: a band waits while it is the more urgent bands' reserve);
+        None: every flow."""
+        shares, bands = self.shares, self.band_shares
+        if shares is None and bands is None:
             return None
         budget = self.rule.prefill_tokens * len(routable)
-        return shares.eligible(budget, self.rule.room(self._loads(routable)), self.queue.waiting_weights())
+        room = self.rule.room(self._loads(routable))
+        tenants = None if shares is None else shares.eligible(budget, room, self.queue.waiting_weights())
+        return both(both(tenants, None if bands is None else bands.eligible(budget, room)), self._kv_open(routable))
+
+    def _kv_reserved(self, flow: FlowClass) -> bool:
+        """Whether KV is kept for more urgent bands from this request now: then it goes through the queue, whose
+        dispatch routes it among the replicas keeping the reserve (the direct path leaves the choice to the proxy)."""
+        return self.kv_reserve is not None and self.kv_reserve.reserve(flow.band, self.clock()) > 0
+
+    def _kv_open(self, routable: list[ReplicaState]) -> Callable[[FlowClass], bool] | None:
+        """Which bands some replica with room keeps the KV reserve for (`KvReserve`); None: every band."""
+        reserve = self.kv_reserve
+        if reserve is None:
+            return None
+        loads = ((load, self.rule.reason(load, queued) is None) for load, queued in self._loads(routable))
+        opened = reserve.open_bands(loads, self.clock())
+        if all(opened):
+            return None
+        return lambda flow: opened[flow.band]
+
+    def _kv_routes(self, flow: FlowClass, routes: list[Route]) -> list[Route]:
+        """With the KV reserve, the routes keeping the band's reserve (all of them when none does)."""
+        reserve = self.kv_reserve
+        if reserve is None:
+            return routes
+        tokens = reserve.reserve(flow.band, self.clock())
+        if tokens <= 0:
+            return routes
+        keeping = [route for route in routes if reserve.keeps(self.router.load.snapshot(route.name), tokens)]
+        return keeping or routes
 
     def _eligible(self, flow: FlowClass, routable: list[ReplicaState]) -> bool:
-        if self.shares is None or (len(self.shares.weights) < 2 and len(self.queue) == 0):
-            return True  # fewer than two active tenants: nobody is held for another (and no room to compute)
+        tenants_idle = self.shares is None or (len(self.shares.weights) < 2 and len(self.queue) == 0)
+        if tenants_idle and (self.band_shares is None or not self.band_shares.may_hold(flow.band)):
+            return True  # nobody is held for another (and no room to compute)
         eligible = self._dispatchable(routable)
         return eligible is None or eligible(flow)
 
@@ -335,7 +384,7 @@ class FlowGate:
                 assert pending.facts.lora is not None
                 pending.future.set_exception(adapter_unavailable(pending.facts.lora))
                 continue
-            decision = self.router.decide(pending.facts, routes)
+            decision = self.router.decide(pending.facts, self._kv_routes(waiter.flow, list(routes)))
             replica = self.replicas.by_name[decision.chosen]
             routed = self.router.commit(decision, pending.facts, replica.route, arrival=now)
             band = self.config.bands[waiter.flow.band].name
@@ -400,7 +449,8 @@ class FlowGate:
         return None if waiter is None else self.queue.position(waiter, self.clock())
 
     def _held_back(self) -> list[str]:
-        """The waiting tenants (labels) kept out of the light tenants' headroom right now (`kvrouter.flow.shares`)."""
+        """The waiting tenants (labels) kept out of the light tenants' headroom (or, with `band_headroom`, out of
+        the more urgent bands' reserve) right now (`kvrouter.flow.shares`)."""
         routable = self.replicas.routable()
         eligible = self._dispatchable(routable) if routable else None
         if eligible is None:
