@@ -36,8 +36,11 @@ def engines(kind: str, policy: SchedulingPolicy) -> Callable[[], EngineModel]:
     return lambda: VllmEngine(SchedulerConfig(num_blocks=12_000, block_size=16, policy=policy), profile)
 
 
-def replay(assigned: Assigned, kind: str, policy: SchedulingPolicy, flow: FlowConfig | None) -> ReplayResult:
-    catalog = PromptCatalog(trace_block_tokens=assigned.trace.block_tokens, block_size=64 if kind == "mocker" else 16)
+def replay_on(
+    assigned: Assigned, block_size: int, engine_factory: Callable[[], EngineModel], flow: FlowConfig | None
+) -> ReplayResult:
+    """kv_aware on two engines of `engine_factory`, the trace's blocks cut at the engines' `block_size`."""
+    catalog = PromptCatalog(trace_block_tokens=assigned.trace.block_tokens, block_size=block_size)
     prompts = [catalog.prepare(request) for request in assigned.trace.requests]
     clock = VirtualClock()
     return replay_policy(
@@ -45,10 +48,14 @@ def replay(assigned: Assigned, kind: str, policy: SchedulingPolicy, flow: FlowCo
         prompts=prompts,
         catalog=catalog,
         policy=replay_policy_object("kv_aware", Settings(), clock),
-        engine_factory=engines(kind, policy),
+        engine_factory=engine_factory,
         options=ReplayOptions(replicas=2, flow=flow, urgent=assigned.urgent),
         clock=clock,
     )
+
+
+def replay(assigned: Assigned, kind: str, policy: SchedulingPolicy, flow: FlowConfig | None) -> ReplayResult:
+    return replay_on(assigned, 64 if kind == "mocker" else 16, engines(kind, policy), flow)
 
 
 def digest(result: ReplayResult) -> str:
@@ -101,18 +108,7 @@ def test_priority_engines_serve_the_urgent_band_first_and_finish_everyone(assign
 
 def full_size(assigned: Assigned, flow: FlowConfig) -> ReplayResult:
     """Two engines of the mocker's full size (16,384 blocks): busy on prefill rather than out of KV."""
-    catalog = PromptCatalog(trace_block_tokens=assigned.trace.block_tokens, block_size=64)
-    prompts = [catalog.prepare(request) for request in assigned.trace.requests]
-    clock = VirtualClock()
-    return replay_policy(
-        requests=assigned.trace.requests,
-        prompts=prompts,
-        catalog=catalog,
-        policy=replay_policy_object("kv_aware", Settings(), clock),
-        engine_factory=lambda: DynamoMockerEngine(MockerConfig()),
-        options=ReplayOptions(replicas=2, flow=flow, urgent=assigned.urgent),
-        clock=clock,
-    )
+    return replay_on(assigned, 64, lambda: DynamoMockerEngine(MockerConfig()), flow)
 
 
 def test_band_headroom_keeps_room_for_the_urgent_band_and_changes_nothing_in_one_band() -> None:
