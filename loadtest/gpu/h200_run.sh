@@ -7,6 +7,8 @@
 #                                     a session of its own and outlives the call), then run PLAN's rows that have no
 #                                     report yet until BUDGET_S seconds after this call began; results are packed into
 #                                     $OUT/results-<epoch>.tgz (reports and per-request records, not the plots).
+#                                     FLEET_KV and FLEET_UTIL (default 6G and 0.2) set each replica's KV cache bytes
+#                                     and GPU share: 6G fits four 8B replicas on an H200, 4G on an 80 GB H100.
 #
 # The chunks are one tar of bundle/parts, bundle/whl, locust, peers and model (../shared/gpu's offline bundle, Locust's
 # and the peer routers' cp312 wheels, the 8B-shape config with its tokenizer), split at 58 MB so that one chunk and the
@@ -29,7 +31,7 @@ go)
     fi
     python3 setup.py -q build_ext --inplace >/tmp/build_ext.log 2>&1 || { tail -20 /tmp/build_ext.log; exit 1; }
     if ! { [ -f /tmp/fleet/replicas.yaml ] && kill -0 "$(cat /tmp/fleet/fleet.pid)" 2>/dev/null; }; then
-        "$HERE/h200_offline.sh" up /tmp/pack/model /tmp/fleet 0 4 6G 0.2 || exit 1
+        "$HERE/h200_offline.sh" up /tmp/pack/model /tmp/fleet 0 4 "${FLEET_KV:-6G}" "${FLEET_UTIL:-0.2}" || exit 1
     fi
     echo "== fleet ready $(( $(date +%s) - t0 )) s into the call"
     todo=/tmp/plan-todo.txt; : >"$todo"
