@@ -59,26 +59,27 @@ expected.
 (uncached tokens/s through full passes), the fixed cost of one engine pass and the pass time per decoding request.
 By default (`kv_calibrate=true`) it learns the three per replica from the TTFTs that replica delivers
 (kvrouter/routing/calibration.py); `kv_prefill_tokens_per_s`, `kv_decode_pass_s` and `kv_decode_s_per_request` are
-only where it starts, and a replica without enough requests of its own is priced like its calibrated peers. The
-engines' own /metrics are a second source for the prefill rate (`kv_engine_metrics=true`, the default): from the
-deltas of vLLM's `vllm:request_prefill_time_seconds` and `vllm:request_prefill_kv_computed_tokens` histograms
-between scrapes (and the engine's history before the router's first scrape) the router derives a rate each replica
-has at least (kvrouter/routing/engine_rates.py: computed tokens over prefill seconds, a lower bound since prefills
-batched into one pass overlap in those sums); until a replica has its own fit, that bound replaces the configured
-start and raises a borrowed rate below it, so a router that starts in front of a warm fleet prices each replica from
-its engine's history within a few scrapes. A replica whose /metrics lacks the histograms (older vLLM, another
-engine), shows garbage or restarts (its prefill count went down) falls back to the router's own view, with one log
-line and a count in `kvrouter_kv_engine_metrics_fallbacks_total{replica,reason}`. `/debug/route` shows the values
-each candidate was priced with (`prefill_tokens_per_s`, `pass_fixed_s`, `decode_s_per_request`,
-`calibration_samples`) and where each came from (`cost_source`: fit, peers, fleet, start, engine or pinned);
-`/metrics` exports them per replica (`kvrouter_kv_calibrated_*`, `kvrouter_kv_calibrated_source`,
-`kvrouter_kv_engine_prefill_tokens_per_s`). To keep the engines' /metrics out of it, set
-`KVROUTER_KV_ENGINE_METRICS=false`. To pin them, set `KVROUTER_KV_CALIBRATE=false` and the three values, for example
-from a prefill benchmark of one replica: `KVROUTER_KV_PREFILL_TOKENS_PER_S=45000 KVROUTER_KV_DECODE_PASS_S=0.02
-KVROUTER_KV_DECODE_S_PER_REQUEST=0.0005`; a replica's `weight` in replicas.yaml then scales its prefill rate (a
-replica of half the speed: `weight: 0.5`). `kv_cache_weight` unset derives the worth of a cached token from the
-fleet's measured reuse (1 + cached ÷ computed prompt tokens, `kvrouter_kv_cache_weight`); a number pins it.
-"""
+only where it starts, and a replica without enough requests of its own is priced like its calibrated peers; so is
+one that was gone (it refused a connection or left the fleet: what comes back may be another GPU) until its own
+requests fit it again. The engines' own /metrics are a second source for the prefill rate (`kv_engine_metrics=true`,
+the default): from the deltas of vLLM's `vllm:request_prefill_time_seconds` and
+`vllm:request_prefill_kv_computed_tokens` histograms between scrapes (and the engine's history before the router's
+first scrape) the router derives a rate each replica has at least (kvrouter/routing/engine_rates.py: computed tokens
+over prefill seconds, a lower bound since prefills batched into one pass overlap in those sums); until a replica has
+its own fit, that bound replaces the configured start and raises a borrowed rate below it, so a router that starts
+in front of a warm fleet prices each replica from its engine's history within a few scrapes. A replica whose
+/metrics lacks the histograms (older vLLM, another engine), shows garbage or restarts (its prefill count went down)
+falls back to the router's own view, with one log line and a count in
+`kvrouter_kv_engine_metrics_fallbacks_total{replica,reason}`. `/debug/route` shows the values each candidate was
+priced with (`prefill_tokens_per_s`, `pass_fixed_s`, `decode_s_per_request`, `calibration_samples`) and where each
+came from (`cost_source`: fit, peers, fleet, start, engine or pinned); `/metrics` exports them per replica
+(`kvrouter_kv_calibrated_*`, `kvrouter_kv_calibrated_source`, `kvrouter_kv_engine_prefill_tokens_per_s`). To keep
+the engines' /metrics out of it, set `KVROUTER_KV_ENGINE_METRICS=false`. To pin them, set
+`KVROUTER_KV_CALIBRATE=false` and the three values, for example from a prefill benchmark of one replica:
+`KVROUTER_KV_PREFILL_TOKENS_PER_S=45000 KVROUTER_KV_DECODE_PASS_S=0.02 KVROUTER_KV_DECODE_S_PER_REQUEST=0.0005`; a
+replica's `weight` in replicas.yaml then scales its prefill rate (a replica of half the speed: `weight: 0.5`).
+`kv_cache_weight` unset derives the worth of a cached token from the fleet's measured reuse (1 + cached ÷ computed
+prompt tokens, `kvrouter_kv_cache_weight`); a number pins it. """
 
 RESTART_FIELDS = frozenset({"tokenizer", "block_size", "hash_seed", "lora_adapters", "flow"})
 

@@ -526,3 +526,18 @@ def test_a_replica_that_is_gone_loses_its_engine_history() -> None:
     assert policy.costs(R0).rate_source == "start" and feed.rates.rate(R0) is None
     feed(R0, totals(0.1, 1, 3000))  # the engine back, its totals started again: no reset, too few prefills yet
     assert policy.costs(R0).rate_source == "start"
+
+
+def test_a_replica_that_is_gone_loses_its_fitted_costs() -> None:
+    """What comes back after a refused connection may be another GPU: priced like its peers, not by its old fit."""
+    calibrator = CostCalibrator(ReplicaCosts(10_000.0, 0.01, 0.0005))
+    for i in range(256):
+        work = 500.0 + 40.0 * i
+        calibrator.observe(R0, Observation(work, 0.5, 1.0, 0.0, work / 20_000.0 + 0.005))  # 20k tokens/s
+        calibrator.observe(R1, Observation(work, 0.5, 1.0, 0.0, work / 60_000.0 + 0.005))  # 60k tokens/s
+    assert calibrator.costs(R0).source == "fit"
+    assert calibrator.costs(R0).prefill_tokens_per_s < 30_000.0
+    forget_replica(None, [], lambda: 0.0, None, None, calibrator)(R0)
+    assert calibrator.costs(R0).source == "peers"
+    assert calibrator.costs(R0).prefill_tokens_per_s == calibrator.costs(R1).prefill_tokens_per_s > 50_000.0
+    assert calibrator.costs(R1).source == "fit"  # the others keep theirs

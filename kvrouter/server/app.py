@@ -40,7 +40,7 @@ from kvrouter.policies import build_policy
 from kvrouter.policies.kv_aware import KvAwarePolicy
 from kvrouter.redisplane.loadplane import LoadPlaneCollector, RedisLoadPlane, build_load_plane, instance_name
 from kvrouter.redisplane.wiring import build_follower
-from kvrouter.routing.calibration import PYTHON_FIT_ENV, native_cost_fit
+from kvrouter.routing.calibration import PYTHON_FIT_ENV, CostCalibrator, native_cost_fit
 from kvrouter.routing.disagg import DisaggSettings, PdPlanner
 from kvrouter.routing.herding import BlindGroup, BlindGroupConfig
 from kvrouter.routing.lifecycle import EventListener, RequestListener, tell_cleared
@@ -268,7 +268,8 @@ def create_app(
         metrics.registry.register(collector)
     saturation = SaturationConfig(settings.kv_prefill_tokens_per_s, settings.saturation_queue_s)
     metrics.registry.register(QualityCollector(quality, replicas, load, saturation, costs=cost_source))
-    forget = forget_replica(prefix.index, prefix.event_listeners, clock, sessions, engine_feed)
+    calibration = policy.calibration if isinstance(policy, KvAwarePolicy) else None
+    forget = forget_replica(prefix.index, prefix.event_listeners, clock, sessions, engine_feed, calibration)
     replicas.on_gone = forget
     flow = fleet.flow
     if settings.flow_control is not None:
@@ -352,10 +353,13 @@ def forget_replica(
     clock: Callable[[], float],
     sessions: SessionTable | None = None,
     engine_feed: EngineCostFeed | None = None,
+    costs: CostCalibrator | None = None,
 ) -> Callable[[ReplicaName], None]:
     """A replica's cache is gone (it refused a connection: its engine is down; or it left the fleet): its blocks
-    leave the index, every overlay forgets what it learnt about it, its sessions are free to go elsewhere and its
-    engine's prefill history no longer counts (an engine that comes back starts its totals again)."""
+    leave the index, every overlay forgets what it learnt about it, its sessions are free to go elsewhere, its
+    engine's prefill history no longer counts (an engine that comes back starts its totals again) and kv_aware
+    drops its fitted costs (what comes back may be another GPU: it is priced like its peers until its own
+    requests fit it again)."""
 
     def forget(replica: ReplicaName) -> None:
         if index is not None:
@@ -369,6 +373,8 @@ def forget_replica(
             sessions.forget(replica)
         if engine_feed is not None:
             engine_feed.forget(replica)
+        if costs is not None:
+            costs.forget(replica)
 
     return forget
 
