@@ -14,9 +14,9 @@ from kvrouter.config import Settings
 from kvrouter.replay.cli import replay_policy_object
 from kvrouter.replay.driver import ReplayOptions, ReplayResult, VirtualClock, floor_ttfts, replay_policy
 from kvrouter.replay.prompts import PromptCatalog, SizedPrompt
-from kvrouter.replay.report import summarize
+from kvrouter.replay.report import summarize, write_outputs
 from kvrouter.replay.trace import Trace, TraceError, load_trace
-from kvrouter.sim.mocker import DynamoMockerEngine
+from kvrouter.sim.mocker import DynamoMockerEngine, MockerConfig
 from tests.shared_data import GMI_TRACE, MOONCAKE_CONVERSATION, shared
 
 
@@ -131,6 +131,47 @@ def replay_slice(
         ),
         clock=clock,
     )
+
+
+def test_engine_wait_counts_the_wait_for_kv_blocks(tmp_path: Path) -> None:
+    # One engine with room for one prompt at a time: the second waits at the head of its queue until the first
+    # has finished and freed its blocks; the engine_wait_ms column shows that wait, the first's is zero.
+    path = write_trace(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 0, "input_length": 1500, "output_length": 50, "hash_ids": [0, 1, 2]},
+            {"timestamp": 0, "input_length": 1500, "output_length": 5, "hash_ids": [3, 4, 5]},
+        ],
+    )
+    trace = load_trace(path)
+    catalog = PromptCatalog(trace_block_tokens=trace.block_tokens, block_size=64)
+    prompts = [catalog.prepare(request) for request in trace.requests]
+    clock = VirtualClock()
+    result = replay_policy(
+        requests=trace.requests,
+        prompts=prompts,
+        catalog=catalog,
+        policy=replay_policy_object("round_robin", Settings(), clock),
+        engine_factory=lambda: DynamoMockerEngine(MockerConfig(num_blocks=32)),
+        options=ReplayOptions(replicas=1),
+        clock=clock,
+    )
+    first, second = result.records
+    assert first.engine_wait == 0.0 and first.finish is not None
+    assert second.admitted == pytest.approx(first.finish)  # the pass after the first one's blocks were freed
+    wait = second.engine_wait
+    assert wait is not None and wait == pytest.approx(first.finish - second.arrival)
+    assert second.ttft is not None and second.ttft > wait
+    tail = summarize(result)["tail"]  # the slowest 1% of two requests: the second, and where its TTFT went
+    assert tail["requests"] == 1 and tail["queued_mean"] == 0.0
+    assert tail["engine_wait_mean"] == pytest.approx(wait)
+    assert tail["ttft_mean"] == pytest.approx(tail["engine_wait_mean"] + tail["in_engine_mean"])
+    out = tmp_path / "out"
+    write_outputs(out, [result], [summarize(result)], None, {})
+    with (out / "requests_round_robin.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert float(rows[0]["engine_wait_ms"]) == 0.0
+    assert float(rows[1]["engine_wait_ms"]) == pytest.approx(wait * 1000, abs=0.001)
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "kv_aware"])

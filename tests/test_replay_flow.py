@@ -59,10 +59,17 @@ def test_the_queue_holds_and_every_request_ends_once(overloaded: Trace) -> None:
         if record.rejected is None:
             assert record.first_token is not None and record.finish is not None
             assert record.arrival + record.queued_s <= record.first_token <= record.finish
+            # The TTFT splits into the router queue, the engine's queue and the engine's own time, exactly.
+            assert record.admitted is not None and record.engine_wait is not None
+            assert record.arrival + record.queued_s + record.engine_wait == pytest.approx(record.admitted)
         else:
-            assert record.first_token is None and record.replica == ""
+            assert record.first_token is None and record.replica == "" and record.engine_wait is None
     summary = summarize(result)
     assert summary["completed"] + sum(summary["flow"]["rejected"].values()) == summary["scheduled"]
+    tail = summary["tail"]
+    assert tail["queued_mean"] > 0
+    parts = tail["queued_mean"] + tail["engine_wait_mean"] + tail["in_engine_mean"]
+    assert parts == pytest.approx(tail["ttft_mean"])
 
 
 def test_a_short_ttl_bounds_the_wait_and_rejects_the_rest(overloaded: Trace) -> None:

@@ -155,6 +155,8 @@ class RequestRecord:
     band: str = ""
     queued_s: float = 0.0
     """Time waited in the router queue (part of the TTFT)."""
+    admitted: float | None = None
+    """When its engine first admitted it (scheduled its first prefill chunk); None: never, or a split request."""
     rejected: str | None = None
     """Why the router turned it away (`queue_full`, `ttl`, `predicted_ttl`), never sent to an engine."""
     pd_reason: str | None = None
@@ -176,6 +178,14 @@ class RequestRecord:
         if self.first_token is None or self.finish is None or self.output_tokens < 2:
             return None
         return (self.finish - self.first_token) / (self.output_tokens - 1)
+
+    @property
+    def engine_wait(self) -> float | None:
+        """Time from reaching its engine to being admitted there: behind the prefill queued ahead of it, or waiting
+        for free KV blocks for its whole prompt (part of the TTFT, like `queued_s`); None when never admitted."""
+        if self.admitted is None or self.prefill_replica is not None:
+            return None
+        return max(0.0, self.admitted - self.arrival - self.queued_s)
 
     @property
     def e2e(self) -> float | None:
@@ -788,6 +798,10 @@ class Replay:
             return
         result = engine.model.step(self.now)
         engine.passes += 1
+        for request_id in result.cached_tokens:
+            record = self._records.get(request_id)
+            if record is not None and record.admitted is None and request_id not in self._legs:
+                record.admitted = self.now
         totals = self.prefill_totals
         if totals is not None:
             for request_id, cached in result.cached_tokens.items():

@@ -11,6 +11,8 @@ left (`floor_ttft_p50`/`p99`), the bound no routing can beat. `itl_p50`/`itl_p99
 request's mean inter-token latency (the bench's `itl_mean_s`). A disaggregated fleet adds `pd`: requests split,
 the plan reasons and the KV transfer times; a split request's prompt counts towards its prefill worker's
 `prefill_share` and `hit_rate`, its request towards its decode worker's `share`.
+`tail` says where the slowest 1% spent their TTFT (router queue, engine queue, in the engine; `tail_summary`), and
+each request's CSV row has the same split (`queued_ms`, `engine_wait_ms`): the start of a diagnosis of the tail.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import csv
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvrouter.loadgen.plots import save_figure
 from kvrouter.loadgen.report import percentile
@@ -45,6 +47,7 @@ CSV_FIELDS = (
     "pd_reason",
     "prefill_replica",
     "transfer_ms",
+    "engine_wait_ms",
 )
 
 
@@ -100,11 +103,46 @@ def summarize(result: ReplayResult, floors: Sequence[float] | None = None) -> di
     if floors is not None:
         summary["floor_ttft_p50"] = percentile(floors, 50)
         summary["floor_ttft_p99"] = percentile(floors, 99)
+    summary["tail"] = tail_summary(done, floors, records)
     if any(r.queued_s > 0 or r.rejected is not None for r in records) or len({r.tenant for r in records}) > 1:
         summary["flow"] = flow_summary(result)
     if any(r.pd_reason is not None for r in records):
         summary["pd"] = pd_summary(records)
     return summary
+
+
+def tail_summary(
+    done: Sequence[RequestRecord], floors: Sequence[float] | None, records: Sequence[RequestRecord]
+) -> dict[str, Any] | None:
+    """Where the slowest 1% of answered requests (TTFT at or above p99) spent their TTFT, as means: in the router
+    queue, waiting in the engine to be admitted (behind queued prefill, or for free KV blocks for the whole
+    prompt), and in the engine from admission to the first token (its own prefill and the passes it shares); their
+    prompts and what of them was cached; with floors, what each would take alone on an idle engine."""
+    ttfts = [(ttft, r) for r in done if (ttft := r.ttft) is not None and r.prefill_replica is None]
+    if not ttfts:
+        return None
+    threshold = cast(float, percentile([ttft for ttft, _ in ttfts], 99))
+    slow = [r for ttft, r in ttfts if ttft >= threshold]
+    count = len(slow)
+
+    def mean(values: Sequence[float]) -> float:
+        return sum(values) / len(values) if values else 0.0
+
+    engine_waits = [wait for r in slow if (wait := r.engine_wait) is not None]
+    in_engine = [cast(float, r.first_token) - r.admitted for r in slow if r.admitted is not None]
+    tail: dict[str, Any] = {
+        "requests": count,
+        "ttft_mean": mean([cast(float, r.ttft) for r in slow]),
+        "queued_mean": mean([r.queued_s for r in slow]),
+        "engine_wait_mean": mean(engine_waits),
+        "in_engine_mean": mean(in_engine),
+        "prompt_tokens_mean": mean([float(r.prompt_tokens) for r in slow]),
+        "cached_share": sum(r.cached_tokens for r in slow) / max(1, sum(r.prompt_tokens for r in slow)),
+    }
+    if floors is not None:
+        position = {id(r): number for number, r in enumerate(records)}
+        tail["floor_mean"] = mean([floors[position[id(r)]] for r in slow])
+    return tail
 
 
 def pd_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
@@ -204,6 +242,18 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
             f"(predicted past the TTL); {bands}"
             + ("" if jain is None else f"; Jain {jain:.3f} over {flow['jain_windows']} windows")
         )
+    lines.append("")
+    for s in summaries:
+        tail = s.get("tail")
+        if tail is None:
+            continue
+        floor_text = "" if tail.get("floor_mean") is None else f"; alone (floor) {_ms(tail['floor_mean'])} ms"
+        lines.append(
+            f"{s['policy']}: slowest 1% ({tail['requests']}), mean TTFT {_ms(tail['ttft_mean'])} ms = router queue "
+            f"{_ms(tail['queued_mean'])} + engine queue {_ms(tail['engine_wait_mean'])} + in the engine "
+            f"{_ms(tail['in_engine_mean'])} ms; prompts {tail['prompt_tokens_mean']:,.0f} tokens, "
+            f"{_pct(tail['cached_share'])} cached{floor_text}"
+        )
     if any(s.get("pd") is not None for s in summaries):
         lines.append("")
     for s in summaries:
@@ -254,6 +304,7 @@ def write_csv(path: Path, result: ReplayResult, floors: Sequence[float] | None =
                     r.pd_reason or "",
                     r.prefill_replica or "",
                     f"{r.transfer_s * 1000:.3f}",
+                    "" if (wait := r.engine_wait) is None else f"{wait * 1000:.3f}",
                 ]
             )
 
