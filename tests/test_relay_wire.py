@@ -272,3 +272,49 @@ async def test_time_between_reads_does_not_count(paced_upstream: tuple[str, list
             assert time.perf_counter() - started < 0.8
         finally:
             reader.close()
+
+
+async def test_buffered_takes_what_has_arrived_without_waiting(paced_upstream: tuple[str, list[float]]) -> None:
+    url, gaps = paced_upstream
+    gaps[:] = [0.0, 0.3]
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        reader = ChunkReader(response.content, 2.0)
+        try:
+            got = b""
+            while not got:
+                await asyncio.sleep(0.05)
+                got = reader.buffered()
+            assert got == b"chunk 0\n"
+            assert reader.buffered() == b""  # chunk 1 is not here yet: no wait, nothing
+            assert await reader.read() == b"chunk 1\n"
+            assert await reader.read() == b""
+            assert reader.at_end() and reader.buffered() == b""
+        finally:
+            reader.close()
+
+
+@pytest.mark.parametrize(
+    ("parts", "watches"), [(PACINGS["event_by_event"], 1), ([UPSTREAM_HEAD, *FRAMED, b"0\r\n\r\n"], 2)]
+)
+async def test_a_first_chunk_that_came_with_the_head_needs_no_first_byte_watch(
+    make_router: RouterFactory, monkeypatch: pytest.MonkeyPatch, parts: list[bytes], watches: int
+) -> None:
+    # The head's wait is always watched; the first chunk's only when it was not already there with the head.
+    from kvrouter.server.proxy import Proxy
+
+    waits = []
+    watched = Proxy._until_first_byte
+
+    async def counting(self: Proxy, replica: object, pending: object) -> object:
+        waits.append(replica)
+        return await watched(self, replica, pending)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Proxy, "_until_first_byte", counting)
+    replica = await RawServer("r0", parts).start()
+    try:
+        client = await make_router([replica], max_retries=0)
+        received = await exchange(client.port, STREAM_BODY)
+    finally:
+        await replica.stop()
+    assert dechunk(received.partition(b"\r\n\r\n")[2]) == EVENTS
+    assert len(waits) == watches

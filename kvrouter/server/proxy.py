@@ -627,11 +627,15 @@ class Proxy:
             out_headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
             if upstream.content_type == EVENT_STREAM:
                 chunks = self._chunks(upstream)
-                try:
-                    first = await self._until_first_byte(replica, chunks.read())
-                except Stalled as stall:
-                    self.replicas.record_stall(replica, str(stall))
-                    return Refused(str(stall))
+                # The first chunk often comes with the head: then it is taken as it is, without the first-byte
+                # watch's two timers (nothing can stall a read that does not wait).
+                first = chunks.buffered()
+                if not first:
+                    try:
+                        first = await self._until_first_byte(replica, chunks.read())
+                    except Stalled as stall:
+                        self.replicas.record_stall(replica, str(stall))
+                        return Refused(str(stall))
                 failed = stream_error(first) if decode_leg else None
                 if failed is not None:
                     # vLLM answers a decode leg whose KV pull failed with 200 and one error event: nothing has
