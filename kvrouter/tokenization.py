@@ -33,7 +33,6 @@ counted — text, ids, boundaries and overhead). A request that cannot be render
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import re
@@ -43,12 +42,12 @@ from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvrouter.openai_request import ParsedRequest, RequestError
+from kvrouter.worker_threads import WorkerThreads
 
 try:  # memcmp in C (kvrouter/_blockkeys.c); absent when the extension was not built
     from kvrouter._blockkeys import common_prefix as _native_common_prefix
@@ -297,9 +296,9 @@ class HfPromptTokenizer:
         self.cache = RenderCache(max_entries=cache_entries, max_bytes=cache_bytes)
         self.limits = limits or PromptLimits()
         self._on_refused = on_refused or (lambda reason: None)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvrouter-tokenizer")
+        self._pool = WorkerThreads(threads, "kvrouter-tokenizer")
         # One thread of its own for large prompts: ordinary requests never wait behind them.
-        self._large_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrouter-tokenizer-large")
+        self._large_pool = WorkerThreads(1, "kvrouter-tokenizer-large")
         self._large_pending = 0
         self.vocab_size = len(self.tokenizer)
         self._backend: Any = getattr(self.tokenizer, "_tokenizer", None)
@@ -337,16 +336,15 @@ class HfPromptTokenizer:
         return True
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._large_pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
+        self._large_pool.close()
 
     async def prompt_token_ids(self, request: ParsedRequest) -> list[Sequence[int]]:
         """Token ids of every prompt of `request`; 413/400/429 `RequestError`s for what the limits refuse."""
         try:
             chars = self.check(request)
-            loop = asyncio.get_running_loop()
             if chars <= self.limits.large_chars:
-                return await loop.run_in_executor(self._pool, self.token_ids, request)
+                return await self._pool.run(self.token_ids, request)
             if self._large_pending >= self.limits.large_queue:
                 raise RequestError(
                     "too many large prompts are being tokenized; retry later",
@@ -356,7 +354,7 @@ class HfPromptTokenizer:
                 )
             self._large_pending += 1
             try:
-                return await loop.run_in_executor(self._large_pool, self.token_ids, request)
+                return await self._large_pool.run(self.token_ids, request)
             finally:
                 self._large_pending -= 1
         except RequestError as error:
