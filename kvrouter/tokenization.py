@@ -18,7 +18,10 @@ tokens, SentencePiece's "prepend to the first piece") are never used as boundari
 tokenizing from scratch (tests check it on every path, tests/test_tokenization_reuse.py over templates and texts).
 The hot path's costs: the shared prefix is found with memcmp (`_blockkeys.common_prefix`; slices without the
 extension), ids move in and out of the cache as 4-byte arrays, and the Rust tokenizer is called directly, its
-batch call releasing the GIL, as transformers does, without the wrapper's per-call checks.
+batch call releasing the GIL, as transformers does, without the wrapper's per-call checks. Plain chat messages
+are rendered from transformers' compiled template with the context `apply_chat_template` would build, without
+its per-call copies (`_plain_render`; checked against it per template), and requests reach the threads through
+`WorkerThreads` (kvrouter/worker_threads.py), not `run_in_executor`.
 
 Hostile prompts (`PromptLimits`): a prompt longer than `max_chars` characters (message contents, tools,
 documents, prompt strings: counted before rendering) or `max_tokens` tokens (token-id prompts before anything,
