@@ -18,7 +18,10 @@ tokens, SentencePiece's "prepend to the first piece") are never used as boundari
 tokenizing from scratch (tests check it on every path, tests/test_tokenization_reuse.py over templates and texts).
 The hot path's costs: the shared prefix is found with memcmp (`_blockkeys.common_prefix`; slices without the
 extension), ids move in and out of the cache as 4-byte arrays, and the Rust tokenizer is called directly, its
-batch call releasing the GIL, as transformers does, without the wrapper's per-call checks.
+batch call releasing the GIL, as transformers does, without the wrapper's per-call checks. Plain chat messages
+are rendered from transformers' compiled template with the context `apply_chat_template` would build, without
+its per-call copies (`_plain_render`; checked against it per template), and requests reach the threads through
+`WorkerThreads` (kvrouter/worker_threads.py), not `run_in_executor`.
 
 Hostile prompts (`PromptLimits`): a prompt longer than `max_chars` characters (message contents, tools,
 documents, prompt strings: counted before rendering) or `max_tokens` tokens (token-id prompts before anything,
@@ -33,7 +36,6 @@ counted — text, ids, boundaries and overhead). A request that cannot be render
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import re
@@ -43,17 +45,35 @@ from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvrouter.openai_request import ParsedRequest, RequestError
+from kvrouter.worker_threads import WorkerThreads
 
 try:  # memcmp in C (kvrouter/_blockkeys.c); absent when the extension was not built
     from kvrouter._blockkeys import common_prefix as _native_common_prefix
 except ImportError:
     _native_common_prefix = None  # type: ignore[assignment]
+
+try:  # transformers' own (cached) compile of a chat template: the plain render below runs exactly its template
+    from transformers.utils.chat_template_utils import _compile_jinja_template as _hf_compile_template
+except ImportError:  # another transformers layout: every render goes through apply_chat_template
+    _hf_compile_template = None  # type: ignore[assignment]
+
+_REASONING_FIELDS = frozenset({"reasoning_content", "thinking", "reasoning"})
+"""Message keys transformers copies under each other's names before rendering: such messages take its path."""
+_PROBE_CHATS: tuple[list[dict[str, str]], ...] = (
+    [
+        {"role": "system", "content": "Be brief.\n"},
+        {"role": "user", "content": "Hello <s> world"},
+        {"role": "assistant", "content": " Hi."},
+        {"role": "user", "content": "Again?"},
+    ],
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "x"}],
+    [{"role": "user", "content": "Hello"}],
+)
 
 _HEAD_CHARS = 256
 _PER_HEAD = 8
@@ -279,9 +299,9 @@ class HfPromptTokenizer:
         self.cache = RenderCache(max_entries=cache_entries, max_bytes=cache_bytes)
         self.limits = limits or PromptLimits()
         self._on_refused = on_refused or (lambda reason: None)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvrouter-tokenizer")
+        self._pool = WorkerThreads(threads, "kvrouter-tokenizer")
         # One thread of its own for large prompts: ordinary requests never wait behind them.
-        self._large_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrouter-tokenizer-large")
+        self._large_pool = WorkerThreads(1, "kvrouter-tokenizer-large")
         self._large_pending = 0
         self.vocab_size = len(self.tokenizer)
         self._backend: Any = getattr(self.tokenizer, "_tokenizer", None)
@@ -298,6 +318,9 @@ class HfPromptTokenizer:
         self._atomic_text = re.compile("|".join(map(re.escape, contents))) if contents else None
         template = self.tokenizer.chat_template
         self._list_content = isinstance(template, str) and bool(_LIST_CONTENT.search(template))
+        # The plain render's (chat_template it was checked against, compiled template, special tokens), replaced
+        # as one tuple so a tokenizer thread never pairs one template with another's compile (`_plain_render`).
+        self._plain: tuple[object, Any, dict[str, Any]] = (None, None, {})
 
     def _splits_cleanly(self, content: str) -> bool:
         """Whether text ending right after `content` tokenizes independently of what follows, checked on samples.
@@ -316,16 +339,15 @@ class HfPromptTokenizer:
         return True
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._large_pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
+        self._large_pool.close()
 
     async def prompt_token_ids(self, request: ParsedRequest) -> list[Sequence[int]]:
         """Token ids of every prompt of `request`; 413/400/429 `RequestError`s for what the limits refuse."""
         try:
             chars = self.check(request)
-            loop = asyncio.get_running_loop()
             if chars <= self.limits.large_chars:
-                return await loop.run_in_executor(self._pool, self.token_ids, request)
+                return await self._pool.run(self.token_ids, request)
             if self._large_pending >= self.limits.large_queue:
                 raise RequestError(
                     "too many large prompts are being tokenized; retry later",
@@ -335,7 +357,7 @@ class HfPromptTokenizer:
                 )
             self._large_pending += 1
             try:
-                return await loop.run_in_executor(self._large_pool, self.token_ids, request)
+                return await self._large_pool.run(self.token_ids, request)
             finally:
                 self._large_pending -= 1
         except RequestError as error:
@@ -435,6 +457,10 @@ class HfPromptTokenizer:
             raise RequestError("'tools' must be a list", param="tools")
         documents = body.get("documents")
         messages = [self._message(m) for m in request.messages or ()]
+        if not kwargs and tools is None and documents is None and not continue_final:
+            text = self._plain_render(messages, add_generation_prompt)
+            if text is not None:
+                return text
         arguments: dict[str, Any] = dict(kwargs)
         arguments.update(
             tokenize=False,
@@ -452,6 +478,86 @@ class HfPromptTokenizer:
         if not isinstance(text, str):
             raise RequestError("the chat template did not render text", param="messages")
         return text
+
+    def _plain_render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str | None:
+        """The text `apply_chat_template` renders for plain messages (string values only, no tools, documents,
+        template arguments or continued message), from the same compiled template with the same context, without
+        its per-call work (normalising and deep-copying every message, looking up the template and the special
+        tokens): about half of a multi-turn render's CPU. None: such a request takes transformers' path.
+
+        What transformers does for these inputs reduces to: drop the keys whose value is None, copy the rest, and
+        render `messages`, `tools=None`, `documents=None`, `add_generation_prompt` and the special tokens. Each
+        template is checked against `apply_chat_template` on sample chats before its first plain render, and a
+        template that renders differently (another transformers version) is never rendered this way;
+        tests/test_tokenization_reuse.py holds both paths equal over templates and generated messages.
+        """
+        template = self.tokenizer.chat_template
+        source, compiled, special = self._plain
+        if template is not source:
+            compiled, special = self._checked_plain_template(template)
+            self._plain = (template, compiled, special)
+        if compiled is None or not messages:
+            return None
+        chat = []
+        for message in messages:
+            plain: dict[str, str] = {}
+            for key, value in message.items():
+                if value is None:
+                    continue
+                if type(value) is not str or type(key) is not str or key in _REASONING_FIELDS:
+                    return None
+                plain[key] = value
+            chat.append(plain)
+        try:
+            text = compiled.render(
+                messages=chat,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **special,
+            )
+        except Exception as error:  # as in `render`: jinja2 errors, template `raise_exception`
+            raise RequestError(f"the chat template cannot render this request: {error}", param="messages") from None
+        if not isinstance(text, str):
+            raise RequestError("the chat template did not render text", param="messages")
+        return text
+
+    def _checked_plain_template(self, template: object) -> tuple[Any, dict[str, Any]]:
+        """The compiled template and special tokens for the plain render, if it renders the sample chats exactly
+        as `apply_chat_template` does (and at least one of them renders at all); else (None, {})."""
+        if _hf_compile_template is None or type(template) is not str:
+            return None, {}
+        special = dict(self.tokenizer.special_tokens_map)
+        for value in special.values():
+            if type(value) is not str and not (type(value) in (list, tuple) and all(type(v) is str for v in value)):
+                return None, {}
+        try:
+            compiled = _hf_compile_template(template)
+        except Exception:
+            return None, {}
+        checked = False
+        for chat in _PROBE_CHATS:
+            for generation in (True, False):
+                try:
+                    expected = self.tokenizer.apply_chat_template(
+                        [dict(m) for m in chat], tokenize=False, add_generation_prompt=generation
+                    )
+                except Exception:
+                    expected = None
+                try:
+                    got = compiled.render(
+                        messages=[dict(m) for m in chat],
+                        tools=None,
+                        documents=None,
+                        add_generation_prompt=generation,
+                        **special,
+                    )
+                except Exception:
+                    got = None
+                if got != expected:
+                    return None, {}
+                checked = checked or got is not None
+        return (compiled, special) if checked else (None, {})
 
     def _message(self, message: Mapping[str, Any]) -> dict[str, Any]:
         result = dict(message)

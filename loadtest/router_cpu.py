@@ -462,6 +462,7 @@ async def measure(args: argparse.Namespace, routers: list[RouterProcess], system
         for router in routers:
             await drive(router.port, args.concurrency, first)
     cpu: dict[tuple[str, str], list[float]] = {}
+    by_repeat: dict[tuple[str, str], dict[int, float]] = {}
     rates: dict[tuple[str, str], list[float]] = {}
     dropped: dict[tuple[str, str], int] = {}
     for repeat in range(args.repeats):
@@ -478,6 +479,7 @@ async def measure(args: argparse.Namespace, routers: list[RouterProcess], system
                     dropped[key] = dropped.get(key, 0) + 1
                     continue
                 cpu.setdefault(key, []).append(used / max(1, run.requests) * 1e6)
+                by_repeat.setdefault(key, {})[repeat] = cpu[key][-1]
                 rates.setdefault(key, []).append(run.requests / run.seconds)
         print(f"repeat {repeat + 1}/{args.repeats} done (load average {os.getloadavg()[0]:.1f})")
     print()
@@ -501,7 +503,15 @@ async def measure(args: argparse.Namespace, routers: list[RouterProcess], system
             base = cpu.get((name, f"base {policy}"))
             if label == "this" and base:
                 ratio = statistics.median(values) / statistics.median(base)
-                print(f"  {name} {policy}: this checkout's CPU per request is {ratio:.2f}x the baseline's")
+                # Both routers ran the same bodies back to back in each repeat: the ratio within a repeat is
+                # less exposed to the machine's load changing between repeats than the ratio of medians.
+                mine, theirs = by_repeat[(name, who)], by_repeat[(name, f"base {policy}")]
+                pairs = sorted(mine[r] / theirs[r] for r in mine.keys() & theirs.keys())
+                paired = f", median of {len(pairs)} paired ratios {statistics.median(pairs):.2f}x" if pairs else ""
+                spread = f" ({pairs[0]:.2f}-{pairs[-1]:.2f})" if pairs else ""
+                print(
+                    f"  {name} {policy}: this checkout's CPU per request is {ratio:.2f}x the baseline's{paired}{spread}"
+                )
 
 
 async def workers_check(args: argparse.Namespace, tree: Path, config: Path, systems: list[str]) -> None:

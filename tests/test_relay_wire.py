@@ -118,6 +118,76 @@ async def test_a_relayed_stream_reaches_the_client_as_the_replica_framed_it(
         assert chunks == EVENTS
 
 
+async def reads_of(port: int, body: bytes) -> list[bytes]:
+    """What the router sends for one request, read by read (a write 0.1 s apart from the next is its own read)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    reads: list[bytes] = []
+    try:
+        while not b"".join(reads).endswith(b"\r\n0\r\n\r\n"):
+            data = await asyncio.wait_for(reader.read(65536), timeout=10)
+            if not data:
+                break
+            reads.append(data)
+    finally:
+        writer.close()
+    return reads
+
+
+STREAM_BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+
+
+async def test_done_goes_out_with_the_terminator_when_the_replica_writes_them_apart(make_router: RouterFactory) -> None:
+    # The replica writes [DONE] and, 0.1 s later, its terminator: the router holds [DONE] for that read and sends
+    # both in one write; every other event still goes out as it comes.
+    replica = await RawServer("r0", PACINGS["event_by_event"]).start()
+    try:
+        client = await make_router([replica], max_retries=0)
+        reads = await reads_of(client.port, STREAM_BODY)
+    finally:
+        await replica.stop()
+    assert reads[-1] == FRAMED[-1] + b"0\r\n\r\n"
+    assert dechunk(b"".join(reads).partition(b"\r\n\r\n")[2]) == EVENTS
+    assert len(reads) == len(EVENTS), "one read per event, the last with the terminator"
+
+
+async def test_what_follows_done_is_relayed_after_it(make_router: RouterFactory) -> None:
+    # Not what an engine sends, but whatever comes after [DONE] reaches the client after it, unchanged.
+    extra = b'data: {"late":true}\n\n'
+    parts = [UPSTREAM_HEAD + FRAMED[0], FRAMED[-1], framed(extra), b"0\r\n\r\n"]
+    replica = await RawServer("r0", parts).start()
+    try:
+        client = await make_router([replica], max_retries=0)
+        received = await exchange(client.port, STREAM_BODY)
+    finally:
+        await replica.stop()
+    assert dechunk(received.partition(b"\r\n\r\n")[2]) == [EVENTS[0], EVENTS[-1], extra]
+
+
+async def test_a_stream_that_breaks_after_done_still_delivers_done_then_the_error(make_router: RouterFactory) -> None:
+    # The replica sends [DONE] and closes without its terminator: the held [DONE] goes out, then the error event,
+    # and the connection is cut without a terminator, as for any broken stream.
+    replica = await RawServer("r0", [UPSTREAM_HEAD + FRAMED[0], FRAMED[-1]]).start()
+    try:
+        client = await make_router([replica], max_retries=0)
+        received = await exchange(client.port, STREAM_BODY)
+    finally:
+        await replica.stop()
+    body = received.partition(b"\r\n\r\n")[2]
+    assert not body.endswith(b"\r\n0\r\n\r\n")
+    events = b""
+    while body:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        events += body[:size]
+        body = body[size + 2 :]
+    assert events.startswith(EVENTS[0] + EVENTS[-1] + b'data: {"error"')
+    assert b"stream broke" in events
+
+
 # -- ChunkReader: one deadline per read, one timer per answer ---------------------------------------------------
 
 
@@ -202,3 +272,49 @@ async def test_time_between_reads_does_not_count(paced_upstream: tuple[str, list
             assert time.perf_counter() - started < 0.8
         finally:
             reader.close()
+
+
+async def test_buffered_takes_what_has_arrived_without_waiting(paced_upstream: tuple[str, list[float]]) -> None:
+    url, gaps = paced_upstream
+    gaps[:] = [0.0, 0.3]
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        reader = ChunkReader(response.content, 2.0)
+        try:
+            got = b""
+            while not got:
+                await asyncio.sleep(0.05)
+                got = reader.buffered()
+            assert got == b"chunk 0\n"
+            assert reader.buffered() == b""  # chunk 1 is not here yet: no wait, nothing
+            assert await reader.read() == b"chunk 1\n"
+            assert await reader.read() == b""
+            assert reader.at_end() and reader.buffered() == b""
+        finally:
+            reader.close()
+
+
+@pytest.mark.parametrize(
+    ("parts", "watches"), [(PACINGS["event_by_event"], 1), ([UPSTREAM_HEAD, *FRAMED, b"0\r\n\r\n"], 2)]
+)
+async def test_a_first_chunk_that_came_with_the_head_needs_no_first_byte_watch(
+    make_router: RouterFactory, monkeypatch: pytest.MonkeyPatch, parts: list[bytes], watches: int
+) -> None:
+    # The head's wait is always watched; the first chunk's only when it was not already there with the head.
+    from kvrouter.server.proxy import Proxy
+
+    waits = []
+    watched = Proxy._until_first_byte
+
+    async def counting(self: Proxy, replica: object, pending: object) -> object:
+        waits.append(replica)
+        return await watched(self, replica, pending)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Proxy, "_until_first_byte", counting)
+    replica = await RawServer("r0", parts).start()
+    try:
+        client = await make_router([replica], max_retries=0)
+        received = await exchange(client.port, STREAM_BODY)
+    finally:
+        await replica.stop()
+    assert dechunk(received.partition(b"\r\n\r\n")[2]) == EVENTS
+    assert len(waits) == watches

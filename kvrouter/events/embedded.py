@@ -86,7 +86,7 @@ class EmbeddedEvents:
         """The sink of every source: index, then the lag gauge."""
         self._last_batch[ReplicaName(batch.replica)] = self.clock()
         self.ingest.apply(batch)
-        self.metrics.ingest_lag.labels(batch.replica).set(max(0.0, self.wall_clock() - batch.ts))
+        self.metrics.lag(batch.replica, max(0.0, self.wall_clock() - batch.ts))
 
     def held_blocks(self) -> dict[str, int]:
         """Blocks the index holds per followed replica (a scan of the index: at scrape time, not per batch)."""

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from kvrouter.metric_children import LabelledChildren
+
 HeldBlocks = Callable[[], Mapping[str, float]]
 """-> a value per followed replica (blocks held, 0 included; seconds since the last event), read at scrape time."""
 AnomalyCounts = Callable[[], Mapping[str, int]]
@@ -50,6 +52,9 @@ class EventMetrics:
             ["replica"],
             registry=registry,
         )
+        # Per batch: held children (replicas, event types and statuses are bounded sets; `forget` drops a replica's).
+        self._events = LabelledChildren(self.events)
+        self._ingest_lag = LabelledChildren(self.ingest_lag)
         self.index_bytes = Gauge(
             "kvrouter_index_bytes",
             "Bytes the router's prefix index holds in its block tables (tier tables and engine-hash maps; the pure-"
@@ -71,7 +76,11 @@ class EventMetrics:
         )
 
     def count(self, replica: str, kind: str, status: str) -> None:
-        self.events.labels(replica, kind, status).inc()
+        self._events(replica, kind, status).inc()
+
+    def lag(self, replica: str, seconds: float) -> None:
+        """`ingest_lag` of `replica`: how old its batch just applied was."""
+        self._ingest_lag(replica).set(seconds)
 
     def read_index_blocks(self, held: HeldBlocks) -> None:
         """Report `index_blocks` from `held` at every scrape (replicas it no longer names are dropped)."""
@@ -84,6 +93,7 @@ class EventMetrics:
         self.index_anomalies.read = counts
 
     def forget(self, replica: str) -> None:
+        self._ingest_lag.forget(replica)
         for gauge in (self.index_blocks, self.ingest_lag, self.event_age):
             with contextlib.suppress(KeyError):
                 gauge.remove(replica)

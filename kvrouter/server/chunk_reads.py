@@ -41,6 +41,12 @@ class ChunkReader:
         finally:
             self._since = None
 
+    def buffered(self) -> bytes:
+        """What has arrived and not been read, without waiting: what `read()` would return at once (its errors
+        included), or b"" when it would wait (or the answer has ended: `at_end()`). A chunk that is already here
+        needs no deadline, and no timer is armed for it."""
+        return self._content.read_nowait()
+
     def at_end(self) -> bool:
         """The answer has ended: its end was seen and every chunk before it has been read."""
         return self._content.at_eof()

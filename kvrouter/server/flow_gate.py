@@ -38,6 +38,7 @@ from kvrouter.flow.queue import FlowQueue, Waiter
 from kvrouter.flow.saturation import SaturationRule
 from kvrouter.flow.settings import FlowConfig
 from kvrouter.flow.shares import BandShares, TenantShares, both
+from kvrouter.metric_children import LabelledChildren
 from kvrouter.metrics import LATENCY_BUCKETS
 from kvrouter.openai_request import ParsedRequest, RequestError
 from kvrouter.policies.base import Decision, ReplicaLoad
@@ -102,6 +103,9 @@ class FlowMetrics:
             "1 while every routable replica is saturated (requests queue).",
             registry=registry,
         )
+        # Per request: held children (bands and tenant labels are bounded; none is ever removed).
+        self.dispatched_child = LabelledChildren(self.dispatched)
+        self.service_child = LabelledChildren(self.service)
 
 
 @dataclass(slots=True)
@@ -208,7 +212,7 @@ class FlowGate:
             and not self._kv_reserved(flow)
         ):
             # No replica at all is the proxy's 503, as without the gate; room now goes straight through.
-            self.metrics.dispatched.labels(band, flow.label, "direct").inc()
+            self.metrics.dispatched_child(band, flow.label, "direct").inc()
             return Admission(flow)
         predicted = self.queue.predicted_wait(flow) if self.config.fail_fast else None
         ttl_s = self.config.bands[flow.band].ttl_s
@@ -250,7 +254,7 @@ class FlowGate:
     def _charge(self, flow: FlowClass, tokens: float) -> None:
         if tokens > 0:
             self.queue.charge(flow, tokens, self.clock())
-            self.metrics.service.labels(flow.label).inc(tokens)
+            self.metrics.service_child(flow.label).inc(tokens)
 
     def _busy(self, flow: FlowClass, message: str) -> RequestError:
         retry_after = max(1, math.ceil(self._waits[flow.band].mean_s))

@@ -92,6 +92,8 @@ from kvrouter.typedefs import ReplicaName
 log = logging.getLogger(__name__)
 
 EVENT_STREAM = "text/event-stream"
+SSE_DONE = b"data: [DONE]\n\n"
+"""The last event of an OpenAI-style stream."""
 _ROUTES: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _ERROR_BODY_BYTES = 1 << 20
 """A replica's error answer is read (to hand it on if no replica does better) up to this many bytes."""
@@ -625,11 +627,15 @@ class Proxy:
             out_headers = downstream_headers(upstream.headers, upstream.headers.items(), replica.name, request_id)
             if upstream.content_type == EVENT_STREAM:
                 chunks = self._chunks(upstream)
-                try:
-                    first = await self._until_first_byte(replica, chunks.read())
-                except Stalled as stall:
-                    self.replicas.record_stall(replica, str(stall))
-                    return Refused(str(stall))
+                # The first chunk often comes with the head: then it is taken as it is, without the first-byte
+                # watch's two timers (nothing can stall a read that does not wait).
+                first = chunks.buffered()
+                if not first:
+                    try:
+                        first = await self._until_first_byte(replica, chunks.read())
+                    except Stalled as stall:
+                        self.replicas.record_stall(replica, str(stall))
+                        return Refused(str(stall))
                 failed = stream_error(first) if decode_leg else None
                 if failed is not None:
                     # vLLM answers a decode leg whose KV pull failed with 200 and one error event: nothing has
@@ -795,29 +801,29 @@ class Proxy:
                 if chunks.at_end():
                     # The replica's end came with this chunk: chunk and terminator go out in one send.
                     break
-                await response.write(chunk)
-                if first_at is not None:
-                    # The first token's bookkeeping (load book, cost refit, listeners) after the client has it,
-                    # timed when it arrived: a refit must not delay the first byte.
-                    routed.first_token(first_at)
-                    first_at = None
+                # A stream's `data: [DONE]` is its last event and the replica's end follows at once: it is held for
+                # that read and goes out with the terminator, one send fewer per stream (what follows it, if
+                # anything, or a broken read, finds it written first: the client gets the same bytes).
+                held = chunk.endswith(SSE_DONE)
+                if not held:
+                    await response.write(chunk)
+                    if first_at is not None:
+                        # The first token's bookkeeping (load book, cost refit, listeners) after the client has it,
+                        # timed when it arrived: a refit must not delay the first byte.
+                        routed.first_token(first_at)
+                        first_at = None
                 try:
-                    chunk = await chunks.read()
+                    following = await chunks.read()
                 except (aiohttp.ClientError, TimeoutError) as error:
-                    # Too late to retry: an SSE error event says why (OpenAI clients raise it as an APIError), then
-                    # the connection is cut without the chunked terminator so the truncation shows, not a clean end.
                     status = "upstream_error"
-                    reason = f"stream broke: {type(error).__name__}: {error}"
-                    self.replicas.record_failure(replica, reason)
-                    broke = RequestError(
-                        f"replica {replica.name} {reason}", status=502, code="upstream_error", type_="server_error"
-                    )
-                    with contextlib.suppress(ConnectionError):
-                        await response.write(b"data: " + json.dumps(broke.body()).encode() + b"\n\n")
-                    if request.transport is not None:
-                        request.transport.close()
+                    await self._stream_broke(request, response, replica, error, chunk if held else b"")
                     return response
                 replica.record_progress()
+                if held:
+                    if not following:
+                        break
+                    await response.write(chunk)
+                chunk = following
             await response.write_eof(chunk)
         except ConnectionError:
             status = "client_disconnect"
@@ -833,6 +839,22 @@ class Proxy:
             routed.generated_tokens = scanner.completion_tokens
             self._observe_cached(replica, routed, scanner.cached_tokens)
         return response
+
+    async def _stream_broke(
+        self, request: web.Request, response: web.StreamResponse, replica: ReplicaState, error: Exception, held: bytes
+    ) -> None:
+        """Too late to retry: what was held back goes out, then an SSE error event says why (OpenAI clients raise it
+        as an APIError), then the connection is cut without the chunked terminator so the truncation shows, not a
+        clean end."""
+        reason = f"stream broke: {type(error).__name__}: {error}"
+        self.replicas.record_failure(replica, reason)
+        broke = RequestError(
+            f"replica {replica.name} {reason}", status=502, code="upstream_error", type_="server_error"
+        )
+        with contextlib.suppress(ConnectionError):
+            await response.write(held + b"data: " + json.dumps(broke.body()).encode() + b"\n\n")
+        if request.transport is not None:
+            request.transport.close()
 
     def _observe_cached(self, replica: ReplicaState, routed: Routed, actual: int | None) -> None:
         routed.served(actual, self.clock())
