@@ -62,6 +62,31 @@ def chain_keys(
     return python_chain_keys(token_ids, block_size, seed, previous)
 
 
+def extend_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    known: Sequence[int],
+    *,
+    seed: int = 0,
+    lora: str | None = None,
+    cache_salt: str | None = None,
+) -> list[BlockKey]:
+    """`chain_keys` of a prompt (from its start) whose first `len(known)` full blocks' keys are already known.
+
+    `known` must be the keys of those blocks under the same block size, seed, adapter and salt (a chain's keys
+    depend on all of them and on every earlier block); only the blocks after them are hashed.
+    """
+    full = len(token_ids) // block_size
+    reused = min(len(known), full)
+    if reused == 0:
+        return chain_keys(token_ids, block_size, seed=seed, lora=lora, cache_salt=cache_salt)
+    # A list (the render cache's) is sliced as it is: its ints are shared, not rebuilt from 8-byte values.
+    head = cast("list[BlockKey]", known[:reused] if type(known) is list else list(known[:reused]))
+    if reused < full:
+        head += chain_keys(token_ids[reused * block_size :], block_size, seed=seed, parent=head[-1])
+    return head
+
+
 def python_chain_keys(token_ids: Sequence[int], block_size: int, seed: int, previous: bytes) -> list[BlockKey]:
     """`chain_keys` through the xxhash package, one call per block: the reference the C path is tested against,
     and the path when the extension was not built. `previous` is what the first block chains from."""

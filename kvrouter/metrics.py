@@ -212,7 +212,7 @@ class RouterMetrics:
         )
         self.tokenizer_cache_bytes = Gauge(
             "kvrouter_tokenizer_cache_bytes",
-            "Bytes the tokenizer's render cache holds (texts, token ids, boundaries; bounded by "
+            "Bytes the tokenizer's render cache holds (texts, token ids, boundaries, block keys; bounded by "
             "tokenizer_cache_bytes).",
             registry=registry,
         )

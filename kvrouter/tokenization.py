@@ -23,6 +23,12 @@ are rendered from transformers' compiled template with the context `apply_chat_t
 its per-call copies (`_plain_render`; checked against it per template), and requests reach the threads through
 `WorkerThreads` (kvrouter/worker_threads.py), not `run_in_executor`.
 
+Block keys of a cached prefix (`RenderCache.block_keys`): an entry keeps its prompt's chained block keys per
+(block size, seed, adapter and salt), at most four such sets; a render that reused a cached prefix's ids starts
+with the keys of that prefix's full blocks, and the router hashes only the blocks after them. The keys are the
+same, bit for bit, as hashing the prompt from scratch (tests/test_block_key_reuse.py); their bytes count in the
+cache's budget.
+
 Hostile prompts (`PromptLimits`): a prompt longer than `max_chars` characters (message contents, tools,
 documents, prompt strings: counted before rendering) or `max_tokens` tokens (token-id prompts before anything,
 text after tokenizing) is a 413; token ids outside the tokenizer's vocabulary are a 400. A prompt longer than
@@ -31,7 +37,8 @@ such prompts tokenize or wait at once, one more is a 429.
 
 Knobs: `threads` (tokenizer worker threads for ordinary prompts; HF fast tokenizers release the GIL), `limits`,
 `cache_entries` and `cache_bytes` (bound the cache: ids are kept as 4-byte arrays and every entry's bytes are
-counted — text, ids, boundaries and overhead). A request that cannot be rendered raises `RequestError` (400).
+counted — text, ids, boundaries, block keys and overhead). A request that cannot be rendered raises `RequestError`
+(400).
 """
 
 from __future__ import annotations
@@ -49,7 +56,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvrouter.blocks import extend_keys, root_material
 from kvrouter.openai_request import ParsedRequest, RequestError
+from kvrouter.typedefs import BlockKey
 from kvrouter.worker_threads import WorkerThreads
 
 try:  # memcmp in C (kvrouter/_blockkeys.c); absent when the extension was not built
@@ -84,6 +93,16 @@ _LIST_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\]
 
 _ENTRY_OVERHEAD = 512
 """Bytes an entry costs beyond its text and arrays: the entry object, dict and LRU slots, its head key."""
+_KEY_BYTES = 56
+"""Bytes a cached block key costs: its list slot and its 64-bit int object (kept as ints, not packed: converting
+~250 keys to ints per request costs about what hashing them does; ints a prefix shares are counted per entry)."""
+_KEYS_OVERHEAD = 160
+"""Bytes one set of block keys costs beyond its keys: the list object, its dict slot and key tuple."""
+_KEY_SPECS = 4
+"""Sets of block keys an entry keeps (one per block size, seed, adapter and salt); the oldest goes first."""
+
+KeySpec = tuple[int, int, bytes]
+"""What a chain of block keys depends on besides the tokens: block size, seed, the root (adapter and salt)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +143,10 @@ def _too_large(what: str, limit: int) -> RequestError:
     )
 
 
+def _keys_nbytes(keys: list[BlockKey]) -> int:
+    return len(keys) * _KEY_BYTES + _KEYS_OVERHEAD
+
+
 @dataclass(frozen=True, slots=True)
 class _Stored:
     """A cached render in compact form: ids as 4-byte unsigned ints, offsets as 8-byte ints."""
@@ -132,15 +155,19 @@ class _Stored:
     ids: array[int]
     boundaries: array[int]
     counts: array[int]
+    keys: dict[KeySpec, list[BlockKey]]
+    """Block keys of the ids' first full blocks (all of them, or those a cached prefix gave), per `KeySpec`,
+    shared read-only with the requests that asked; changed only under the cache's lock, which counts their bytes."""
 
     @classmethod
     def of(cls, render: _Render) -> _Stored:
         # The ids array is the render's own: renders are built once and never changed afterwards.
-        return cls(render.text, render.ids, array("q", render.boundaries), array("q", render.counts))
+        return cls(render.text, render.ids, array("q", render.boundaries), array("q", render.counts), render.keys)
 
     def nbytes(self) -> int:
         arrays = sum(len(a) * a.itemsize for a in (self.ids, self.boundaries, self.counts))
-        return sys.getsizeof(self.text) + arrays + _ENTRY_OVERHEAD
+        keys = sum(map(_keys_nbytes, self.keys.values()))
+        return sys.getsizeof(self.text) + arrays + keys + _ENTRY_OVERHEAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +179,8 @@ class _Render:
     """Character offsets right after an added token, ascending ..."""
     counts: list[int]
     """... and how many ids precede each of those offsets."""
+    keys: dict[KeySpec, list[BlockKey]]
+    """Known block keys of the ids' first full blocks, per `KeySpec` (a cached prefix's; see `_Stored.keys`)."""
 
 
 class RenderCache:
@@ -161,6 +190,8 @@ class RenderCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, _Stored] = OrderedDict()
+        self._by_ids: dict[int, _Stored] = {}
+        """Entries by the identity of their ids array (which each keeps alive): how a prompt finds its keys."""
         self._by_head: dict[str, list[str]] = {}
         self.nbytes = 0
         self._lock = threading.Lock()
@@ -184,7 +215,8 @@ class RenderCache:
         with self._lock:
             candidates = [self._entries[t] for t in self._by_head.get(text[:_HEAD_CHARS], ()) if t in self._entries]
         best: tuple[_Stored, int] | None = None
-        for render in candidates:
+        # Newest first, so a tie goes to the latest render: the likeliest to hold block keys, and warm in memory.
+        for render in reversed(candidates):
             shared = common_prefix(render.text, text)
             position = bisect_right(render.boundaries, shared) - 1
             if position >= 0 and (best is None or render.boundaries[position] > best[0].boundaries[best[1]]):
@@ -194,11 +226,15 @@ class RenderCache:
                 self.partial_hits += 1
                 render, position = best
                 boundary = render.boundaries[position]
+                count = render.counts[position]
+                # The prefix's ids are the entry's first `count`: so are the keys of its full blocks.
+                keys = {spec: known[: count // spec[0]] for spec, known in render.keys.items() if count >= spec[0]}
                 return _Render(
                     render.text[:boundary],
-                    render.ids[: render.counts[position]],
+                    render.ids[:count],
                     render.boundaries[: position + 1].tolist(),
                     render.counts[: position + 1].tolist(),
+                    keys,
                 )
             self.misses += 1
             return None
@@ -213,19 +249,56 @@ class RenderCache:
                 self._entries.move_to_end(render.text)
                 return
             self._entries[render.text] = stored
+            self._by_ids[id(stored.ids)] = stored
             self.nbytes += size
             head = self._by_head.setdefault(render.text[:_HEAD_CHARS], [])
             head.append(render.text)
             if len(head) > _PER_HEAD:
                 del head[0]
-            while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
-                old_text, old = self._entries.popitem(last=False)
-                self.nbytes -= old.nbytes()
-                bucket = self._by_head.get(old_text[:_HEAD_CHARS])
-                if bucket is not None and old_text in bucket:
-                    bucket.remove(old_text)
-                    if not bucket:
-                        del self._by_head[old_text[:_HEAD_CHARS]]
+            self._evict()
+
+    def block_keys(
+        self, ids: Sequence[int], block_size: int, *, seed: int, lora: str | None, cache_salt: str | None
+    ) -> list[BlockKey] | None:
+        """Chained block keys of `ids` when they are a cached entry's ids array (the very object `exact` or a
+        tokenize returned), reusing the keys the entry holds for the same block size, seed, adapter and salt and
+        keeping the result there; None when `ids` is no entry's (the caller hashes them itself). The list is
+        shared with the cache: read it, never change it."""
+        with self._lock:
+            stored = self._by_ids.get(id(ids))
+            if stored is None or stored.ids is not ids:
+                return None
+            spec = (block_size, seed, root_material(lora, cache_salt))
+            known = stored.keys.get(spec)
+        full = len(ids) // block_size
+        if known is not None and len(known) == full:
+            return known
+        keys = extend_keys(ids, block_size, known or (), seed=seed, lora=lora, cache_salt=cache_salt)
+        with self._lock:
+            if self._by_ids.get(id(ids)) is stored:
+                held = stored.keys
+                old = held.pop(spec, None)
+                change = _keys_nbytes(keys) - (0 if old is None else _keys_nbytes(old))
+                while len(held) >= _KEY_SPECS:
+                    change -= _keys_nbytes(held.pop(next(iter(held))))
+                held[spec] = keys
+                self.nbytes += change
+                if change > 0:
+                    self._evict()
+        return keys
+
+    def _evict(self) -> None:
+        """Drop the least recently used entries until both bounds hold (the lock is held)."""
+        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+            old_text, old = self._entries.popitem(last=False)
+            self.nbytes -= old.nbytes()
+            if self._by_ids.get(id(old.ids)) is old:
+                del self._by_ids[id(old.ids)]
+            bucket = self._by_head.get(old_text[:_HEAD_CHARS])
+            if bucket is not None and old_text in bucket:
+                bucket.remove(old_text)
+                if not bucket:
+                    del self._by_head[old_text[:_HEAD_CHARS]]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -337,6 +410,13 @@ class HfPromptTokenizer:
                 if ids(before + content + after) != ids(before + content) + ids(after):
                     return False
         return True
+
+    def block_keys(
+        self, ids: Sequence[int], block_size: int, *, seed: int, lora: str | None, cache_salt: str | None
+    ) -> list[BlockKey] | None:
+        """Block keys of a prompt this tokenizer returned from its render cache, reusing the keys of the cached
+        prefix it was tokenized from (`RenderCache.block_keys`); None for other prompts."""
+        return self.cache.block_keys(ids, block_size, seed=seed, lora=lora, cache_salt=cache_salt)
 
     def close(self) -> None:
         self._pool.close()
@@ -586,7 +666,7 @@ class HfPromptTokenizer:
         if ids is not None:
             return ids
         head = self.cache.best_prefix(text)
-        render = self._tokenize_render(text, head or _Render("", array("I"), [], []))
+        render = self._tokenize_render(text, head or _Render("", array("I"), [], [], {}))
         self.cache.put(render)
         return render.ids
 
@@ -611,6 +691,7 @@ class HfPromptTokenizer:
             head.ids + array("I", tail_ids),
             head.boundaries + [start + end for end in ends],
             head.counts + [base + position + 1 for position in positions],
+            head.keys,
         )
 
 

@@ -1,5 +1,6 @@
-"""The hot path's pure parts, one thread, thread CPU time: parse + tokenize a request, and the index's lookup plus
-provisional marks, on `loadtest/router_cpu.py`'s workloads.
+"""The hot path's pure parts, one thread, thread CPU time: parse + tokenize a request, its block keys (from scratch,
+and as the router gets them: a cached prefix's reused), and the index's lookup plus provisional marks, on
+`loadtest/router_cpu.py`'s workloads.
 
 Prints medians of 3 rounds. Run it once per source tree to compare, e.g. this checkout against main's export:
 
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import router_cpu
 
+from kvrouter.blocks import chain_keys
 from kvrouter.index import PrefixIndex
 from kvrouter.openai_request import parse_request
 from kvrouter.tinymodel import ensure_tokenizer
@@ -33,6 +35,30 @@ def tokenize_us(tokenizer: HfPromptTokenizer, bodies: list[bytes]) -> float:
     for body in bodies:
         tokenizer.token_ids(parse_request("chat", body))
     return (time.thread_time() - started) / len(bodies) * 1e6
+
+
+def keys_us(tokenizer: HfPromptTokenizer, bodies: list[bytes]) -> tuple[float, float]:
+    """Block keys per request, (from scratch, reused where the render cache holds a prefix's), in arrival order:
+    each request is tokenized first (not timed), then its keys are computed both ways (timed apart, the first way
+    alternating)."""
+    block_size = router_cpu.BLOCK_SIZE
+    reuse = getattr(tokenizer, "block_keys", None)  # absent on trees before key reuse: both ways are scratch
+    scratch = reused = 0.0
+    for n, body in enumerate(bodies):
+        [ids] = tokenizer.token_ids(parse_request("chat", body))
+        # Whichever runs first finds the cached prefix's keys and ids colder in memory: alternate the order.
+        for way in (0, 1) if n % 2 else (1, 0):
+            started = time.thread_time()
+            got = reuse(ids, block_size, seed=0, lora=None, cache_salt=None) if way and reuse is not None else None
+            if got is None:
+                got = chain_keys(ids, block_size)
+            spent = time.thread_time() - started
+            if way:
+                reused += spent
+                assert got == chain_keys(ids, block_size)
+            else:
+                scratch += spent
+    return scratch / len(bodies) * 1e6, reused / len(bodies) * 1e6
 
 
 def index_us(rounds: int = 3, requests: int = 6000) -> float:
@@ -60,14 +86,20 @@ def main() -> int:
     tokenizer = HfPromptTokenizer(ensure_tokenizer(), threads=1)
     systems = router_cpu.system_prompts(100, 4000, tokenizer.tokenizer)
     tokenize_us(tokenizer, [body for _, body in router_cpu.tenant_bodies(systems, 300, False, "warm")])
-    tenants, multiturn = [], []
+    tenants, multiturn, tenant_keys, multiturn_keys = [], [], [], []
     for r in range(3):
         tenants.append(tokenize_us(tokenizer, [b for _, b in router_cpu.tenant_bodies(systems, 600, False, f"t{r}")]))
         conversations = router_cpu.conversation_bodies(systems, 600, 8, False, f"m{r}")
         multiturn.append(tokenize_us(tokenizer, [b for c in conversations for b in c]))
+        tenant_keys.append(keys_us(tokenizer, [b for _, b in router_cpu.tenant_bodies(systems, 600, False, f"k{r}")]))
+        conversations = router_cpu.conversation_bodies(systems, 600, 8, False, f"n{r}")
+        multiturn_keys.append(keys_us(tokenizer, [b for c in conversations for b in c]))
     print(f"kvrouter from {Path(kvrouter.__file__).parent}")
     print(f"parse + tokenize per request: tenants {statistics.median(tenants):.0f} us, ", end="")
     print(f"multiturn {statistics.median(multiturn):.0f} us (thread CPU)")
+    for name, pairs in (("tenants", tenant_keys), ("multiturn", multiturn_keys)):
+        scratch, reused = (statistics.median(p[i] for p in pairs) for i in (0, 1))
+        print(f"block keys per request, {name}: from scratch {scratch:.1f} us, reused {reused:.1f} us (thread CPU)")
     print(f"index lookup + provisional marks per 255-key request: {index_us():.1f} us (thread CPU)")
     tokenizer.close()
     return 0

@@ -85,6 +85,7 @@ def test_decisions_and_predictions_equal_the_plain_definitions() -> None:
         clock[0] = now
         decisions, predicted, keys = [], [], []
         routed_pair = []
+        block_keys_pair: list[list[Any]] = []
         for router in routers:
             facts = asyncio.run(router.facts(parse_request("chat", body)))
             decision = router.decide(facts, ROUTES)
@@ -92,8 +93,10 @@ def test_decisions_and_predictions_equal_the_plain_definitions() -> None:
             decisions.append(decision)
             predicted.append(routed.predicted_cached)
             keys.append([list(prompt) for prompt in facts.prompts or ()])  # the fast path's ids are an array
+            block_keys_pair.append(facts.keys(BLOCK, 0))  # the fast path's reuse a cached prefix's
             routed_pair.append(routed)
         assert keys[0] == keys[1], "the token ids differ"
+        assert block_keys_pair[0] == block_keys_pair[1] == chain_keys(keys[1][0], BLOCK), "the block keys differ"
         assert decisions[0] == decisions[1]
         assert predicted[0] == predicted[1]
         in_flight.append(routed_pair)

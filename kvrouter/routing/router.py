@@ -40,6 +40,15 @@ class PromptTokenizer(Protocol):
         ...
 
 
+class KnownPromptKeys(Protocol):
+    def __call__(
+        self, ids: Sequence[int], block_size: int, *, seed: int, lora: str | None, cache_salt: str | None
+    ) -> list[BlockKey] | None:
+        """A tokenizer's block keys for a prompt it returned (reusing those of a cached prefix), bit for bit
+        `chain_keys`'; None: not one it knows, hash it."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """A replica's longest cached prefix of a request, in blocks, by tier (GPU first).
@@ -98,6 +107,8 @@ class RoutingFacts:
     max_tokens: int | None = None
     session: str | None = None
     """The request's session key (`kvrouter.server.session_keys`), when it has one."""
+    known_keys: KnownPromptKeys | None = None
+    """The tokenizer's keys for its prompts (`HfPromptTokenizer.block_keys`), when it keeps them."""
     _keys: dict[int, list[BlockKey]] = field(default_factory=dict)
 
     @property
@@ -112,7 +123,11 @@ class RoutingFacts:
             return []
         cached = self._keys.get(block_size)
         if cached is None:
-            cached = chain_keys(self.prompts[0], block_size, seed=seed, lora=self.lora, cache_salt=self.cache_salt)
+            prompt = self.prompts[0]
+            if self.known_keys is not None:
+                cached = self.known_keys(prompt, block_size, seed=seed, lora=self.lora, cache_salt=self.cache_salt)
+            if cached is None:
+                cached = chain_keys(prompt, block_size, seed=seed, lora=self.lora, cache_salt=self.cache_salt)
             self._keys[block_size] = cached
         return cached
 
@@ -139,6 +154,8 @@ class Router:
         self.load = load
         self.index = index
         self.tokenizer = tokenizer
+        block_keys = getattr(tokenizer, "block_keys", None)
+        self._known_keys: KnownPromptKeys | None = block_keys if callable(block_keys) else None
         self.hash_seed = hash_seed
         self.lora_adapters = frozenset(lora_adapters)
         self.listeners = tuple(listeners)
@@ -160,7 +177,13 @@ class Router:
                 # routed on load alone and the engine gives its own verdict. No prompt text in the log.
                 logging.getLogger(__name__).info("request not tokenized (%s): routed on load", type(error).__name__)
         lora = request.model if request.model in self.lora_adapters else None
-        return RoutingFacts(prompts, lora=lora, cache_salt=request.cache_salt, max_tokens=request.max_tokens)
+        return RoutingFacts(
+            prompts,
+            lora=lora,
+            cache_salt=request.cache_salt,
+            max_tokens=request.max_tokens,
+            known_keys=self._known_keys,
+        )
 
     def candidates(self, facts: RoutingFacts, routes: Sequence[Route]) -> list[Candidate]:
         now = self.clock()
