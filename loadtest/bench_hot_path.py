@@ -1,6 +1,7 @@
 """The hot path's pure parts, one thread, thread CPU time: parse + tokenize a request, its block keys (from scratch,
 and as the router gets them: a cached prefix's reused), and the index's lookup plus provisional marks, on
-`loadtest/router_cpu.py`'s workloads.
+`loadtest/router_cpu.py`'s workloads; and the flow gate's tenant-share answer for one request with nothing queued
+(the scan over every active tenant, and `TenantShares.admits`).
 
 Prints medians of 3 rounds. Run it once per source tree to compare, e.g. this checkout against main's export:
 
@@ -24,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import router_cpu
 
 from kvrouter.blocks import chain_keys
+from kvrouter.flow.classes import FlowClass
+from kvrouter.flow.shares import TenantShares
 from kvrouter.index import PrefixIndex
 from kvrouter.openai_request import parse_request
 from kvrouter.tinymodel import ensure_tokenizer
@@ -59,6 +62,43 @@ def keys_us(tokenizer: HfPromptTokenizer, bodies: list[bytes]) -> tuple[float, f
             else:
                 scratch += spent
     return scratch / len(bodies) * 1e6, reused / len(bodies) * 1e6
+
+
+class _Routed:
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.predicted_cached = prompt_tokens - 60
+
+
+def shares_us(tenants: int = 100, active: int = 48, requests: int = 20_000) -> tuple[float, float]:
+    """Per request, (scan, admits): `active` of `tenants` tenants with a request in flight, one arriving and one
+    finishing per request, the room ample (the unsaturated case), as the gate's direct path asks."""
+    rng = random.Random(2)
+    shares = TenantShares()
+    flows = [FlowClass(1, f"t{n}", 1.0, f"t{n}") for n in range(tenants)]
+    running: list[object] = []
+    budget, room = 65_536.0, 60_000.0
+    admits = getattr(shares, "admits", None)
+    scan = fast = 0.0
+    for n in range(requests):
+        flow = flows[n % tenants]
+        shares.arrived(flow, rng.randrange(4_000, 4_200), n * 0.004)
+        started = time.thread_time()
+        eligible = shares.eligible(budget, room, {})
+        allowed = eligible is None or eligible(flow)
+        middle = time.thread_time()
+        answer = admits(flow.tenant, budget, room) if admits is not None else None
+        ended = time.thread_time()
+        assert answer is None or answer == allowed
+        scan += middle - started
+        fast += ended - middle if answer is not None else ended - started
+        routed = _Routed(4_100)
+        shares.routed(routed, flow)  # type: ignore[arg-type]
+        running.append((routed, flow))
+        if len(running) > active:
+            old, _ = running.pop(0)
+            shares.on_finish(old, n * 0.004)  # type: ignore[arg-type]
+    return scan / requests * 1e6, fast / requests * 1e6
 
 
 def index_us(rounds: int = 3, requests: int = 6000) -> float:
@@ -100,6 +140,9 @@ def main() -> int:
     for name, pairs in (("tenants", tenant_keys), ("multiturn", multiturn_keys)):
         scratch, reused = (statistics.median(p[i] for p in pairs) for i in (0, 1))
         print(f"block keys per request, {name}: from scratch {scratch:.1f} us, reused {reused:.1f} us (thread CPU)")
+    scan, fast = shares_us()
+    print(f"tenant shares per request, 100 tenants, 48 active, nothing queued: scan {scan:.1f} us, ", end="")
+    print(f"admits {fast:.1f} us (thread CPU; a deferred near tie counts both)")
     print(f"index lookup + provisional marks per 255-key request: {index_us():.1f} us (thread CPU)")
     tokenizer.close()
     return 0

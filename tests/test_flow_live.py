@@ -258,6 +258,18 @@ async def test_a_heavy_tenant_is_held_out_of_a_light_tenants_share(
     client = await start_router(aiohttp_client, replicas, tokenizer_dir, kv_batch_tokens=1024)
     gate = client.app[PROXY].gate
     assert gate is not None and gate.shares is not None
+    # Each direct-path answer (the tenant shares' O(1) one while nothing is queued) is the full scan's too.
+    answers: list[bool] = []
+    direct = gate._eligible
+
+    def checked(flow: Any, routable: Any) -> bool:
+        answer = direct(flow, routable)
+        eligible = gate._dispatchable(routable)
+        assert answer == (eligible is None or eligible(flow))
+        answers.append(answer)
+        return answer
+
+    gate._eligible = checked  # type: ignore[method-assign]
 
     def seen() -> int:
         return sum(len(replica.completions_seen()) for replica in replicas)
@@ -285,3 +297,4 @@ async def test_a_heavy_tenant_is_held_out_of_a_light_tenants_share(
     for task in tasks:
         assert (await task).status == 200  # the held one goes once the prefills end
     assert seen() == len(tasks)
+    assert True in answers and False in answers

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import cast
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvrouter.flow.classes import FlowClass
 from kvrouter.flow.queue import FlowQueue
 from kvrouter.flow.saturation import SaturationRule
@@ -190,3 +193,92 @@ def test_both_combines_predicates() -> None:
 def test_the_flow_section_keeps_band_headroom_off_by_default() -> None:
     assert FlowConfig().band_headroom is False
     assert FlowConfig(band_headroom=True).band_headroom is True
+
+
+# -- the request path's O(1) answer ---------------------------------------------------------------------------
+
+EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["dispatch", "arrive", "first", "finish", "ask"]),
+        st.integers(0, 5),  # tenant
+        st.sampled_from([0, 1, 1, 50, 1_000, 1_000, 9_000]),  # prompt tokens: equal sends make ties
+        st.sampled_from([1.0, 1.0, 2.0, 0.5, 3.0]),  # weight
+        st.floats(0.0, 2.0),  # time step
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(EVENTS, st.sampled_from([0.0, 4_000.0, 65_536.0]), st.lists(st.floats(0.0, 1.2), min_size=3, max_size=3))
+def test_admits_answers_as_the_scan_does(
+    events: list[tuple[str, int, int, float, float]], budget: float, rooms: list[float]
+) -> None:
+    shares = TenantShares(horizon_s=5.0)  # short, so the totals are rescaled (and summed afresh) along the way
+    running: dict[int, list[Routed]] = {}
+    weights: dict[int, float] = {}
+    now = 0.0
+    answered = 0
+    for kind, tenant, tokens, weight, step in events:
+        now += step * 20
+        name = f"t{tenant}"
+        weight = weights.setdefault(tenant, weight) if running.get(tenant) else weight
+        if kind == "dispatch":
+            weights[tenant] = weight
+            running.setdefault(tenant, []).append(dispatch(shares, name, tokens, now, weight))
+        elif kind == "arrive":
+            shares.arrived(flow(name, weight), tokens, now)
+        elif kind == "first" and running.get(tenant):
+            shares.on_first_token(running[tenant][0], now)
+        elif kind == "finish" and running.get(tenant):
+            shares.on_finish(running[tenant].pop(0), now)
+        for fraction in rooms:
+            room = budget * fraction
+            eligible = shares.eligible(budget, room, {})
+            for asked in range(7):
+                expected = eligible is None or eligible(flow(f"t{asked}"))
+                got = shares.admits(f"t{asked}", budget, room)
+                assert got is None or got == expected
+                answered += got is not None
+    assert not events or answered > 0
+
+
+def test_admits_defers_only_near_a_tie() -> None:
+    shares = TenantShares()
+    dispatch(shares, "a", 1_000)
+    dispatch(shares, "b", 1_000)  # a tie: whether a is heavy is the scan's rounding
+    assert shares.admits("a", BUDGET, 0.0) is None
+    dispatch(shares, "c", 10)
+    assert shares.admits("c", BUDGET, 0.0) is True  # clearly light
+    assert shares.admits("a", BUDGET, BUDGET) is True  # heavy, but the room exceeds any reserve
+    assert shares.admits("a", BUDGET, 0.0) is None  # heavy and the room is small: the scan decides
+    assert shares.admits("newcomer", BUDGET, 0.0) is True
+
+
+class CountingDict(dict[str, float]):
+    """A dict that counts the walks over it."""
+
+    walks = 0
+
+    def items(self):  # type: ignore[no-untyped-def]
+        self.walks += 1
+        return super().items()
+
+    def values(self):  # type: ignore[no-untyped-def]
+        self.walks += 1
+        return super().values()
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        self.walks += 1
+        return super().__iter__()
+
+
+def test_admits_does_not_walk_the_tenants() -> None:
+    # With a thousand active tenants, a call reads the asking tenant's entries and the running totals only.
+    shares = TenantShares()
+    shares.weights = CountingDict()
+    for n in range(1_000):
+        dispatch(shares, f"t{n}", 100 + n)
+    answers = [shares.admits(f"t{n}", BUDGET, BUDGET) for n in range(1_000)]
+    assert all(answers)
+    assert shares.weights.walks <= 1  # at most one summing afresh

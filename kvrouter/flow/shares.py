@@ -24,6 +24,12 @@ It is work-conserving for the light tenants and bounded for the heavy one: what 
 light tenants' unused shares, and as soon as they use them (or go idle, leaving the active set) the heavy tenant
 fills the fleet again. With one active tenant nothing changes (`eligible` returns None).
 
+The request path asks `admits` for one tenant while nothing is queued, and that answer costs O(1), not a scan of
+every active tenant: the sums the scan would take (weights, and what each sent times its weight) are kept as
+running totals with a bound on their rounding, and a tenant clearly light, or clearly heavy with the room above
+every other tenant's share, is answered from them; a near tie, where the scan's own rounding could decide, is
+left to the scan (`eligible`), so the decisions are the scan's exactly.
+
 Pure and synchronous: a `RequestListener` of the router (first tokens, finishes), told of each arrival and
 dispatch by the caller (`arrived`, `routed`), which knows the request's flow; `now` is the caller's clock.
 """
@@ -36,6 +42,15 @@ from dataclasses import dataclass
 
 from kvrouter.flow.classes import FlowClass
 from kvrouter.routing.lifecycle import Routed
+
+_UNIT = 2.0**-53
+"""A float's relative rounding error."""
+_MARGIN = 1e-9
+"""Relative distance from a tie under which `admits` defers to the scan: far above the rounding of sums over up to
+a million tenants (their error is below n x `_UNIT` relative, all terms being positive)."""
+_DRIFT = 1e5
+"""The running totals are summed afresh once what they have been through (the magnitudes of every step) passes
+this many times their value: their accumulated rounding then stays under 1e5 x 4 x `_UNIT` ~ 4e-11 relative."""
 
 HORIZON_S = 30.0
 """Time constant of the recent demand that says who is heavy. Chosen on the held-out Mooncake synthetic trace with
@@ -64,6 +79,12 @@ class TenantShares:
         self.sent: dict[str, float] = {}
         """Per tenant: prompt tokens sent / weight, decayed with `horizon_s`, kept scaled by e^((now - base) / h)."""
         self._base = 0.0
+        # Running sums over the tenants in `weights` (what `eligible` adds up), and the magnitudes they moved by.
+        self._weight_total = 0.0
+        self._sent_total = 0.0
+        """Sum of sent x weight."""
+        self._weight_drift = 0.0
+        self._sent_drift = 0.0
 
     # -- what the caller tells it ----------------------------------------------------------------------------
 
@@ -71,7 +92,11 @@ class TenantShares:
         """A request of `flow` with `prompt_tokens` arrived (whether it goes straight through or waits)."""
         if prompt_tokens > 0:
             scaled = prompt_tokens / flow.weight * self._scale(now)
-            self.sent[flow.tenant] = self.sent.get(flow.tenant, 0.0) + scaled
+            before = self.sent.get(flow.tenant, 0.0)
+            after = self.sent[flow.tenant] = before + scaled
+            weight = self.weights.get(flow.tenant)
+            if weight is not None:
+                self._add_sent((after - before) * weight, after * weight)
 
     def routed(self, routed: Routed, flow: FlowClass) -> None:
         """A request of `flow` was dispatched as `routed` (straight through or from the queue)."""
@@ -80,7 +105,10 @@ class TenantShares:
         self._in_flight[id(routed)] = _InFlight(tenant, prefill)
         self.queued_prefill[tenant] = self.queued_prefill.get(tenant, 0.0) + prefill
         self.running[tenant] = self.running.get(tenant, 0) + 1
-        self.weights[tenant] = flow.weight
+        old = self.weights.get(tenant)
+        if old != flow.weight:
+            self.weights[tenant] = flow.weight
+            self._reweighed(tenant, 0.0 if old is None else old, flow.weight)
 
     # -- what it answers -------------------------------------------------------------------------------------
 
@@ -104,6 +132,33 @@ class TenantShares:
             return None
         return lambda flow: flow.tenant not in heavy
 
+    def admits(self, tenant: str, budget: float, room: float) -> bool | None:
+        """Whether `eligible(budget, room, {})` (nothing queued) lets `tenant`'s flows go, in O(1): True or False
+        where the running totals decide it beyond their rounding, None for a near tie (ask `eligible`)."""
+        weights = self.weights
+        weight = weights.get(tenant)
+        if weight is None or len(weights) < 2:
+            return True  # a tenant with nothing running is never heavy; one active tenant is never held
+        if self._weight_drift > _DRIFT * self._weight_total or self._sent_drift > _DRIFT * self._sent_total:
+            self._resum()
+        margin = _MARGIN + 4 * (len(weights) + 2) * _UNIT
+        weight_error = 4 * _UNIT * (self._weight_drift + self._weight_total)
+        sent_error = 4 * _UNIT * (self._sent_drift + self._sent_total)
+        low_weight = (self._weight_total - weight_error) * (1 - margin)
+        high_weight = (self._weight_total + weight_error) * (1 + margin)
+        low_sent = (self._sent_total - sent_error) * (1 - margin)
+        high_sent = (self._sent_total + sent_error) * (1 + margin)
+        sent = self.sent.get(tenant, 0.0)
+        if sent * high_weight < low_sent:
+            return True  # light: never held
+        if sent * low_weight <= high_sent or low_weight <= 0:
+            return None
+        # Heavy: it goes while the room exceeds the light tenants' reserve, which is at most every other active
+        # tenant's share of the budget.
+        if room > budget * (high_weight - weight) / low_weight * (1 + margin):
+            return True
+        return None
+
     # -- bookkeeping -----------------------------------------------------------------------------------------
 
     def _scale(self, now: float) -> float:
@@ -112,7 +167,26 @@ class TenantShares:
             shrink = math.exp(-(now - self._base) / horizon)
             self.sent = {tenant: v * shrink for tenant, v in self.sent.items() if v * shrink > 1e-3}
             self._base = now
+            self._resum()
         return math.exp((now - self._base) / horizon)
+
+    def _add_sent(self, change: float, term: float) -> None:
+        self._sent_total += change
+        self._sent_drift += abs(change) + abs(term) + abs(self._sent_total)
+
+    def _reweighed(self, tenant: str, old: float, new: float) -> None:
+        """`tenant`'s weight in the active set went from `old` to `new` (0: not in it)."""
+        sent = self.sent.get(tenant, 0.0)
+        self._weight_total += new - old
+        self._weight_drift += abs(new) + abs(old) + abs(self._weight_total)
+        self._add_sent(sent * new - sent * old, sent * (new + old))
+
+    def _resum(self) -> None:
+        """The running totals summed afresh (exactly rounded) over the active tenants."""
+        self._weight_total = math.fsum(self.weights.values())
+        self._sent_total = math.fsum(self.sent.get(tenant, 0.0) * weight for tenant, weight in self.weights.items())
+        self._weight_drift = self._weight_total
+        self._sent_drift = self._sent_total
 
     def _prefilled(self, entry: _InFlight) -> None:
         if entry.prefill > 0:
@@ -142,7 +216,7 @@ class TenantShares:
             self.running[tenant] = left
             return
         del self.running[tenant]
-        del self.weights[tenant]
+        self._reweighed(tenant, self.weights.pop(tenant), 0.0)
         self.queued_prefill.pop(tenant, None)
 
 

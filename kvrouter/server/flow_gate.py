@@ -328,9 +328,19 @@ class FlowGate:
         return keeping or routes
 
     def _eligible(self, flow: FlowClass, routable: list[ReplicaState]) -> bool:
-        tenants_idle = self.shares is None or (len(self.shares.weights) < 2 and len(self.queue) == 0)
-        if tenants_idle and (self.band_shares is None or not self.band_shares.may_hold(flow.band)):
+        shares, bands = self.shares, self.band_shares
+        tenants_idle = shares is None or (len(shares.weights) < 2 and len(self.queue) == 0)
+        if tenants_idle and (bands is None or not bands.may_hold(flow.band)):
             return True  # nobody is held for another (and no room to compute)
+        if shares is not None and len(self.queue) == 0:
+            # Nothing queued: the tenant shares answer for this one tenant without scanning them all, unless a near
+            # tie leaves it to the scan; the rest is `_dispatchable`'s, computed in the same order.
+            budget = self.rule.prefill_tokens * len(routable)
+            room = self.rule.room(self._loads(routable))
+            admitted = shares.admits(flow.tenant, budget, room)
+            if admitted is not None:
+                others = both(None if bands is None else bands.eligible(budget, room), self._kv_open(routable))
+                return admitted and (others is None or others(flow))
         eligible = self._dispatchable(routable)
         return eligible is None or eligible(flow)
 
