@@ -93,9 +93,10 @@ _LIST_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\]
 
 _ENTRY_OVERHEAD = 512
 """Bytes an entry costs beyond its text and arrays: the entry object, dict and LRU slots, its head key."""
-_KEY_BYTES = 56
-"""Bytes a cached block key costs: its list slot and its 64-bit int object (kept as ints, not packed: converting
-~250 keys to ints per request costs about what hashing them does; ints a prefix shares are counted per entry)."""
+_KEY_BYTES = 60
+"""Bytes a cached block key costs: its list slot (8, and up to 1/8 more where a grown list over-allocates) and its
+64-bit int (48 as allocated). Kept as ints, not packed: turning ~250 packed keys back into ints per request costs
+about what hashing them does. Ints a prefix shares with another entry are counted in each."""
 _KEYS_OVERHEAD = 160
 """Bytes one set of block keys costs beyond its keys: the list object, its dict slot and key tuple."""
 _KEY_SPECS = 4

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import tracemalloc
 from typing import Any
 
 from hypothesis import given, settings
@@ -135,4 +136,23 @@ def test_keys_count_in_the_cache_bound() -> None:
         assert prompt.cache.nbytes == entries_bytes(prompt) <= 200_000
         assert all(len(stored.keys) <= 4 for stored in prompt.cache._entries.values())
         assert set(prompt.cache._by_ids) == {id(stored.ids) for stored in prompt.cache._entries.values()}
+    prompt.close()
+
+
+def test_the_counted_bytes_of_keys_cover_what_they_allocate() -> None:
+    prompt = HfPromptTokenizer(ensure_tokenizer(), threads=1)
+    prompts = [
+        prompt.token_ids(chat([{"role": "user", "content": f"{n} " + "Be exact. " * 200}]))[0] for n in range(20)
+    ]
+    before_counted = prompt.cache.nbytes
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for ids in prompts:
+            cached(prompt, ids, (16, 0, (None, None)))
+            cached(prompt, ids, (4, 9, ("adapter-a", None)))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0 < grown <= prompt.cache.nbytes - before_counted
     prompt.close()
