@@ -430,7 +430,11 @@ class Settings(BaseSettings):
         "prefixes) with the other router instances through Redis pub/sub (docs/scaling.md).",
     )
     load_share_interval_s: float = Field(
-        default=0.02, gt=0, le=1.0, description="Shortest time between two load reports (the staleness bound)."
+        default=0.02,
+        gt=0,
+        le=1.0,
+        description="The load plane's tick: expire silent peers and publish a change no request signalled. Changes "
+        "from routed requests are published at once, one report in flight at a time (docs/scaling.md).",
     )
     load_share_blind_group: bool = Field(
         default=True,

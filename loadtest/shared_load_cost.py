@@ -8,7 +8,8 @@ instance only listens (it takes no requests): it is the peer whose reports the m
 subscriber Redis fans the measured router's reports out to. Rounds alternate: the measured router with sharing
 off (`KVROUTER_LOAD_SHARE=false`), then on, each over the same closed-loop load (`--concurrency` clients for
 `--duration` s). Per round: the router's CPU time from /proc over the requests it answered, and Redis's own
-`total_net_input_bytes` / `total_net_output_bytes` (INFO stats) over the round.
+`total_net_input_bytes` / `total_net_output_bytes` (INFO stats) over the round, and the load reports the
+measured router published (`kvrouter_load_share_published_total`) and its staleness gauge at the round's end.
 
 Run from the repository root: `python loadtest/shared_load_cost.py` (about a minute). Prints the median CPU
 microseconds per request per setting, their ratio (target: on within 10% of off), and bytes into and out of
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,6 +56,15 @@ def redis_info(port: int) -> dict[str, int]:
     return stats
 
 
+def router_metric(port: int, name: str) -> float:
+    """One sample of the router's /metrics (0 when absent: sharing off)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
 def start_router(config: Path, port: int, redis_port: int, *, share: bool) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
     env["KVROUTER_LOAD_SHARE"] = "true" if share else "false"
@@ -70,24 +81,30 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=20)
 
 
-async def measure(
-    args: argparse.Namespace, config: Path, replica_port: int, redis_port: int, share: bool
-) -> tuple[float, int, int, int]:
-    """(router CPU us per request, requests, bytes into Redis, bytes out of Redis) for one round."""
+Row = tuple[float, int, int, int, float, float]
+
+
+async def measure(args: argparse.Namespace, config: Path, replica_port: int, redis_port: int, share: bool) -> Row:
+    """(router CPU us per request, requests, bytes into Redis, bytes out of Redis, reports published, staleness
+    in ms at the end) for one round."""
     port = po.free_port()
     router = start_router(config, port, redis_port, share=share)
     try:
         await po.wait_ready(port)
         await po.load(port, 4, 1.0)  # warm-up: connections, tokenizer cache
+        published = "kvrouter_load_share_published_total"
+        reports_before = router_metric(port, published)
         before = redis_info(redis_port)
         cpu_before = po.cpu_seconds(router.pid)
         run = await po.load(port, args.concurrency, args.duration)
         cpu = po.cpu_seconds(router.pid) - cpu_before
         after = redis_info(redis_port)
+        reports = router_metric(port, published) - reports_before
+        staleness_ms = router_metric(port, "kvrouter_load_share_staleness_seconds") * 1000
         requests = len(run.latencies)
         into = after["total_net_input_bytes"] - before["total_net_input_bytes"]
         out = after["total_net_output_bytes"] - before["total_net_output_bytes"]
-        return cpu / max(1, requests) * 1e6, requests, into, out
+        return cpu / max(1, requests) * 1e6, requests, into, out, reports, staleness_ms
     finally:
         stop(router)
 
@@ -98,14 +115,15 @@ async def bench(args: argparse.Namespace, config: Path, replica_port: int, redis
     listener = start_router(config, listener_port, redis_port, share=True)
     try:
         await po.wait_ready(listener_port)
-        rows: dict[bool, list[tuple[float, int, int, int]]] = {False: [], True: []}
+        rows: dict[bool, list[Row]] = {False: [], True: []}
         for round_number in range(args.rounds):
             for share in (False, True):
                 rows[share].append(await measure(args, config, replica_port, redis_port, share))
-                cpu_us, requests, into, out = rows[share][-1]
+                cpu_us, requests, into, out, reports, staleness_ms = rows[share][-1]
                 print(
                     f"round {round_number + 1} sharing {'on ' if share else 'off'}: {requests} requests, "
-                    f"{cpu_us:.0f} us CPU/request, Redis in {into} B, out {out} B"
+                    f"{cpu_us:.0f} us CPU/request, Redis in {into} B, out {out} B, {reports:.0f} reports"
+                    + (f", staleness {staleness_ms:.1f} ms" if share else "")
                 )
     finally:
         stop(listener)
@@ -117,9 +135,10 @@ async def bench(args: argparse.Namespace, config: Path, replica_port: int, redis
     def per_thousand(share: bool, column: int) -> float:
         return statistics.median(row[column] / row[1] * 1000 / 1024 for row in rows[share])
 
+    reports = statistics.median(row[4] / row[1] * 1000 for row in rows[True])
     print(
         f"Redis traffic per 1,000 requests, sharing on: in {per_thousand(True, 2):.1f} KiB, "
-        f"out {per_thousand(True, 3):.1f} KiB"
+        f"out {per_thousand(True, 3):.1f} KiB; {reports:.0f} load reports published"
     )
     print(
         f"  sharing off (the rest of the plane, the listener's heartbeats): in {per_thousand(False, 2):.1f} KiB, "

@@ -1,11 +1,17 @@
 """The load plane: router instances share their load through the Redis the event plane already uses.
 
 Every instance publishes `LoadShare.report()` (kvrouter/routing/sharing.py: its own counts per replica and the
-prefixes it routed) on one pub/sub channel, `kvrouter:load`, at most every `interval_s` and only when something
-changed, plus a heartbeat every `heartbeat_s`; it subscribes to the same channel and folds every other instance's
-report into its load book. Nothing here is on a request's path: routing reads the load book, which this task
-updates in the background, so a slow or absent Redis makes the shared part stale, never a request slower.
-Staleness is bounded by `interval_s` plus one Redis hop (~1 ms on a LAN); a peer that stops publishing expires
+prefixes it routed) on one pub/sub channel, `kvrouter:load`, and subscribes to the same channel, folding every
+other instance's report into its load book. Two tasks share one session: the receiver, and the publisher, which
+sleeps until `LoadShare.notify` wakes it — a dispatch committed, a prefill done, a request finished — and then
+publishes one report with everything that changed meanwhile. It never has more than one PUBLISH outstanding:
+changes made while one is on its way are coalesced into the next, so under load the reports follow one Redis round
+trip apart and at rest each change goes out at once. The receiver's tick (`interval_s`) expires silent peers,
+sends a change no listener signalled, and the heartbeat every `heartbeat_s`. Nothing here is on a request's path:
+the request only sets a flag and routing reads the load book, which these tasks update in the background, so a
+slow or absent Redis makes the shared part stale, never a request slower. Staleness is one or two Redis round
+trips (a change may wait for the publish ahead of it); the plane measures it as the delay of its own echo
+(`LoadShare.staleness_s`, `kvrouter_load_share_staleness_seconds`). A peer that stops publishing expires
 `expiry_s` after its last report; a new instance knows every live peer's load within one heartbeat.
 
 Why pub/sub and not a stream or a hash: a report is absolute and superseded by the next one, so there is nothing
@@ -20,7 +26,8 @@ or carries absurd values is ignored and counted (`kvrouter_load_share_problems_t
 Metrics: `kvrouter_load_share_up`, `kvrouter_load_share_peers`, `kvrouter_load_share_published_total`,
 `kvrouter_load_share_published_bytes_total`, `kvrouter_load_share_received_total`,
 `kvrouter_load_share_received_bytes_total`, `kvrouter_load_share_expired_total`,
-`kvrouter_load_share_problems_total{reason}`, `kvrouter_load_share_peer_in_flight`, and with the blind group
+`kvrouter_load_share_problems_total{reason}`, `kvrouter_load_share_peer_in_flight`,
+`kvrouter_load_share_staleness_seconds`, and with the blind group
 (kvrouter/routing/herding.py) `kvrouter_load_share_blind_peer_decisions`,
 `kvrouter_load_share_blind_placeholders_total`.
 """
@@ -30,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import socket
@@ -43,6 +51,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from kvrouter.redisplane.clients import CLUSTER_SCHEMES, masked_url, redis_from_url
@@ -98,6 +107,9 @@ class RedisLoadPlane:
         self.channel = channel
         self.clock = clock
         self.stats = PlaneStats()
+        self._wake = asyncio.Event()
+        share.notify = self._wake.set
+        self._last_sent = 0.0
 
     async def run(self) -> None:
         """Until cancelled: publish, receive, expire; reconnect with back-off when Redis goes away."""
@@ -121,31 +133,56 @@ class RedisLoadPlane:
     async def _session(self) -> None:
         client = self.connect()
         pubsub = client.pubsub(ignore_subscribe_messages=True)
+        tasks: list[asyncio.Task[None]] = []
         try:
             await pubsub.subscribe(self.channel)
             self.stats.connected = True
             # A newcomer announces itself at once, so peers count it (and it hears them within a heartbeat).
             await self._publish(client)
-            last_sent = self.clock()
-            while True:
-                message = await pubsub.get_message(timeout=self.interval_s)
-                while message is not None:
-                    self._receive(message)
-                    message = await pubsub.get_message(timeout=0.0)
-                now = self.clock()
-                self.share.expire(now)
-                if now - last_sent >= self.interval_s and (self.share.changed() or now - last_sent >= self.heartbeat_s):
-                    await self._publish(client)
-                    last_sent = now
+            # Not a TaskGroup: its ExceptionGroup would hide the Redis error `run` retries on.
+            tasks = [
+                asyncio.create_task(self._receiver(pubsub), name="kvrouter-load-plane-receiver"),
+                asyncio.create_task(self._publisher(client), name="kvrouter-load-plane-publisher"),
+                asyncio.create_task(self._ticker(), name="kvrouter-load-plane-tick"),
+            ]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
         finally:
             self.stats.connected = False
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
             with contextlib.suppress(Exception):
                 await client.aclose()
 
+    async def _receiver(self, pubsub: PubSub) -> None:
+        while True:
+            message = await pubsub.get_message(timeout=None)
+            if message is not None:
+                self._receive(message)
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = self.clock()
+            self.share.expire(now)
+            if now - self._last_sent >= self.heartbeat_s or self.share.changed():
+                self._wake.set()
+
+    async def _publisher(self, client: Redis) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            # Changes made while this publish is on its way set the flag again: one more report carries them all.
+            if self.share.changed() or self.clock() - self._last_sent >= self.heartbeat_s:
+                await self._publish(client)
+
     async def _publish(self, client: Redis) -> None:
-        payload = self.share.report()
+        self._last_sent = now = self.clock()
+        payload = self.share.report(now=now)
         await client.publish(self.channel, payload)
         self.stats.published += 1
         self.stats.published_bytes += len(payload)
@@ -192,6 +229,13 @@ class LoadPlaneCollector(Collector):
             "kvrouter_load_share_peer_in_flight",
             "Requests in flight that other router instances reported (counted in this instance's load picture).",
             value=share.load.peer_in_flight(),
+        )
+        staleness = share.staleness_s
+        yield GaugeMetricFamily(
+            "kvrouter_load_share_staleness_seconds",
+            "How late this instance's load reports reach its peers: the largest delay of its own recent reports "
+            "coming back through the channel (NaN before the first).",
+            value=math.nan if staleness is None else staleness,
         )
         blind = share.blind_group
         if blind is not None:

@@ -34,9 +34,9 @@ shows the next decision as it will be made); the random source is a parameter (s
 replay). A decision taken behind placeholders says so in its breakdown (`blind_group_ahead`,
 `blind_placeholder_tokens`).
 
-Knobs: `horizon_s` (the plane's staleness: the replay's share delay; live, the share interval plus one hop, taken
-as two intervals), `window` (decisions averaged; 64), `max_group` (most placeholders one decision places; 32),
-`ranked`.
+Knobs: `horizon_s` (the plane's staleness: the replay's share delay; live, twice the largest recent delay of the
+instance's own report coming back through the channel, `retune`d as it is measured), `window` (decisions
+averaged; 64), `max_group` (most placeholders one decision places; 32), `ranked`.
 """
 
 from __future__ import annotations
@@ -181,6 +181,10 @@ class BlindGroup:
     def rank(self) -> tuple[int, int] | None:
         """(this instance's rank, live instances), once it knows them and takes ranked places; else None."""
         return None if self._rank is None else (self._rank, self._instances)
+
+    def retune(self, horizon_s: float) -> None:
+        """The plane's staleness was measured anew (kvrouter/routing/sharing.py: twice its largest recent echo)."""
+        self.config = replace(self.config, horizon_s=horizon_s)
 
     def rank_among(self, rank: int, instances: int) -> None:
         """This instance is number `rank` (from 0) of `instances` sharing load: it then takes that place in the

@@ -19,14 +19,22 @@ pending tokens per request in flight (so 10^12 tokens is refused), prefixes not 
 stays until it expires. Replicas this instance does not route to are skipped (`unknown_replica`), reports older
 than one already folded from the same peer are skipped (`stale`), and this instance's own echo is ignored.
 
-Knobs (`Settings`, `KVROUTER_LOAD_SHARE_*`): `interval_s` (how often the shell publishes a changed report),
-`heartbeat_s` (publish even when nothing changed, so peers keep this instance and newcomers learn it),
+When to publish. Every change of this instance's own load that peers must hear — a dispatch committed, a
+prefill done (first token), a request finished — calls `notify` (the shell's wake-up: it only sets a flag, so the
+request path never waits on the transport); the shell then publishes one report with whatever changed meanwhile.
+How stale peers are is measured, not assumed: the shell hands `report` the time it sends a report and `receive` the
+time its own echo comes back through the channel; the largest of the last `ECHO_WINDOW` echo delays is the plane's
+`staleness_s`, and the blind group's horizon is twice it (a change may wait for the one publish ahead of it, then
+travel itself).
+
+Knobs (`Settings`, `KVROUTER_LOAD_SHARE_*`): `interval_s` (the shell's tick: expiry, and a change no listener
+signalled), `heartbeat_s` (publish even when nothing changed, so peers keep this instance and newcomers learn it),
 `expiry_s`, `prefix_blocks` (leading blocks of a routed prefix shared with peers).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -40,6 +48,8 @@ from kvrouter.routing.router import PrefixLookup
 from kvrouter.typedefs import BlockKey, ReplicaName
 
 WIRE_VERSION = 1
+ECHO_WINDOW = 64
+"""Own echoes whose delay the staleness estimate keeps (the largest counts)."""
 
 
 class ReplicaCounts(msgspec.Struct, array_like=True, frozen=True):
@@ -131,22 +141,30 @@ class LoadShare:
         self._peers: dict[str, _Peer] = {}
         self._routed: list[RoutedPrefix] = []
         self._last: tuple[tuple[str, int, int, int], ...] | None = None
+        self.notify: Callable[[], None] | None = None
+        """The shell's wake-up, called on each change of this instance's own load (it must not block)."""
+        self._sent: deque[tuple[int, float]] = deque(maxlen=ECHO_WINDOW)
+        self._echoes: deque[float] = deque(maxlen=ECHO_WINDOW)
 
-    # -- RequestListener: only the commit matters (it is when the provisional prefix is marked) --------------
+    # -- RequestListener: each change of own load wakes the shell; the commit also marks the routed prefix -------
 
     def on_commit(self, routed: Routed) -> None:
         keys = routed.keys[: self.limits.prefix_blocks]
         if keys:
             self._routed.append(RoutedPrefix(str(routed.replica), _pack_keys(keys)))
+        if self.notify is not None:
+            self.notify()
 
     def on_first_token(self, routed: Routed, now: float) -> None:
-        return
+        if self.notify is not None:
+            self.notify()  # its prefill is done: pending prefill down, decoding up
 
     def on_served(self, routed: Routed, cached_tokens: int, now: float) -> None:
         return
 
     def on_finish(self, routed: Routed, now: float) -> None:
-        return
+        if self.notify is not None:
+            self.notify()
 
     # -- publishing -------------------------------------------------------------------------------------------
 
@@ -154,13 +172,15 @@ class LoadShare:
         """Whether a report would say something the last one did not (counts moved, or prefixes were routed)."""
         return bool(self._routed) or self._counts() != self._last
 
-    def report(self, max_bytes: int | None = None) -> bytes:
+    def report(self, max_bytes: int | None = None, *, now: float | None = None) -> bytes:
         """The next report to publish (it takes the prefixes routed since the last one). With `max_bytes` (a
         datagram's limit) the newest prefixes that do not fit are left out: they are provisional hints, and the
-        KV events bring the truth shortly after."""
+        KV events bring the truth shortly after. With `now` (when it is sent) its echo measures the staleness."""
         counts = self._counts()
         self._last = counts
         self._seq += 1
+        if now is not None:
+            self._sent.append((self._seq, now))
         prefixes, self._routed = self._routed, []
         replicas = [ReplicaCounts(*entry) for entry in counts]
         payload = _encoder.encode(LoadReport(WIRE_VERSION, self.instance, self._seq, replicas, prefixes))
@@ -188,7 +208,8 @@ class LoadShare:
             self.problems["undecodable"] += 1
             return False
         if report.instance == self.instance:
-            return False  # our own echo
+            self._echoed(report.seq, now)
+            return False
         fleet = set(self.replicas())
         reason = self._refusal(report, len(fleet))
         if reason is not None:
@@ -228,6 +249,24 @@ class LoadShare:
             self.blind_group.peer_dispatched(dispatched, now)
         self.reports_folded += 1
         return True
+
+    def _echoed(self, seq: int, now: float) -> None:
+        """Our own report `seq` came back through the channel at `now`: as late as it reaches the peers."""
+        sent = self._sent
+        while sent and sent[0][0] < seq:
+            sent.popleft()  # lost on the way (or sent without a time)
+        if not sent or sent[0][0] != seq:
+            return
+        self._echoes.append(max(0.0, now - sent.popleft()[1]))
+        if self.blind_group is not None:
+            horizon = 2 * max(self._echoes)
+            if horizon != self.blind_group.config.horizon_s:
+                self.blind_group.retune(horizon)
+
+    @property
+    def staleness_s(self) -> float | None:
+        """How late a report reaches the peers: the largest of the last echo delays (None before the first)."""
+        return max(self._echoes) if self._echoes else None
 
     def _refusal(self, report: LoadReport, fleet_size: int) -> str | None:
         limits = self.limits
@@ -274,6 +313,7 @@ class LoadShare:
 
 
 __all__ = [
+    "ECHO_WINDOW",
     "WIRE_VERSION",
     "LoadReport",
     "LoadShare",

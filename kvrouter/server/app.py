@@ -193,8 +193,9 @@ def create_app(
         # Shared load (kvrouter/routing/sharing.py): this instance's own counts out, the other instances' in.
         name = instance_name()
         if settings.load_share_blind_group:
-            # The peers' decisions this instance cannot see yet (kvrouter/routing/herding.py). The plane's
-            # staleness: a report waits at most one interval for its tick, and its hop is taken as another.
+            # The peers' decisions this instance cannot see yet (kvrouter/routing/herding.py). Its horizon
+            # follows the plane's measured staleness (LoadShare: twice the largest recent echo); until the first
+            # echo, two ticks.
             horizon = BlindGroupConfig(horizon_s=2 * settings.load_share_interval_s)
             blind_group = BlindGroup(horizon, random.Random(name))
         share = LoadShare(

@@ -1,11 +1,14 @@
 """Shared load between router processes on one host without Redis: `--workers N` over Unix datagram sockets.
 
 The `--workers` supervisor makes a private directory (mode 0700) and hands it to every worker
-(`KVROUTER_LOAD_SHARE_DIR`). Each worker binds one datagram socket there, `<pid>-<random>.sock`, and every
-`interval_s` that its counts changed (or every `heartbeat_s`) sends its `LoadShare.report()` to every other
-socket in the directory; what it receives it folds in, exactly as from Redis (same codec, validation, expiry:
-kvrouter/routing/sharing.py). A worker that died leaves its socket file: the next send is refused and the file is
-removed; its load expires like a silent Redis peer's.
+(`KVROUTER_LOAD_SHARE_DIR`). Each worker binds one datagram socket there, `<pid>-<random>.sock`, and sends its
+`LoadShare.report()` to every socket in the directory, its own included (the echo measures the staleness, as on
+Redis): as soon as `LoadShare.notify` says its own load changed (a dispatch, a prefill done, a request finished —
+the request only sets a flag; the sender task runs after it, and every change made before it runs goes out in one
+report), on a change no listener signalled at the next tick (`interval_s`), and every `heartbeat_s`. What it
+receives it folds in, exactly as from Redis (same codec, validation, expiry: kvrouter/routing/sharing.py). A
+worker that died leaves its socket file: the next send is refused and the file is removed; its load expires like
+a silent Redis peer's.
 
 Why datagrams and not shared memory: a report is small and absolute, so one datagram per peer per interval carries
 it whole, with nothing to lock; the fleet can change on a live reload (a shared-memory table would need a layout
@@ -55,6 +58,9 @@ class LocalLoadPlane:
         self.path = directory / f"{os.getpid()}-{random.getrandbits(32):08x}.sock"
         self.dropped = 0
         """Reports a peer's full queue refused (it is busy: it gets the next one)."""
+        self._wake = asyncio.Event()
+        share.notify = self._wake.set
+        self._last_sent = 0.0
 
     def _drain(self, sock: socket.socket) -> None:
         while True:
@@ -69,11 +75,12 @@ class LocalLoadPlane:
             self.share.receive(payload, self.clock())
 
     def _send(self, sock: socket.socket) -> None:
-        payload = self.share.report(self.max_datagram_bytes)
+        self._last_sent = now = self.clock()
+        payload = self.share.report(self.max_datagram_bytes, now=now)
         try:
-            peers = [path for path in self.directory.glob("*.sock") if path != self.path]
+            peers = list(self.directory.glob("*.sock"))
         except OSError:
-            peers = []
+            peers = [self.path]
         for peer in peers:
             try:
                 sock.sendto(payload, str(peer))
@@ -89,7 +96,8 @@ class LocalLoadPlane:
                     raise
                 self.dropped += 1
                 continue
-            self.stats.published_bytes += len(payload)
+            if peer != self.path:
+                self.stats.published_bytes += len(payload)
         self.stats.published += 1
 
     async def run(self) -> None:
@@ -102,14 +110,9 @@ class LocalLoadPlane:
             loop.add_reader(sock.fileno(), self._drain, sock)
             self.stats.connected = True
             self._send(sock)  # announce at once
-            last_sent = self.clock()
-            while True:
-                await asyncio.sleep(self.interval_s)
-                now = self.clock()
-                self.share.expire(now)
-                if self.share.changed() or now - last_sent >= self.heartbeat_s:
-                    self._send(sock)
-                    last_sent = now
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._ticker(), name="kvrouter-local-load-plane-tick")
+                tasks.create_task(self._sender(sock), name="kvrouter-local-load-plane-sender")
         finally:
             self.stats.connected = False
             with contextlib.suppress(Exception):
@@ -117,6 +120,21 @@ class LocalLoadPlane:
             sock.close()
             with contextlib.suppress(OSError):
                 self.path.unlink()
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = self.clock()
+            self.share.expire(now)
+            if now - self._last_sent >= self.heartbeat_s or self.share.changed():
+                self._wake.set()
+
+    async def _sender(self, sock: socket.socket) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.share.changed() or self.clock() - self._last_sent >= self.heartbeat_s:
+                self._send(sock)
 
     async def context(self, app: web.Application) -> AsyncIterator[None]:
         async def guarded() -> None:
