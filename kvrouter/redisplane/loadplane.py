@@ -169,7 +169,7 @@ class RedisLoadPlane:
             await asyncio.sleep(self.interval_s)
             now = self.clock()
             self.share.expire(now)
-            if now - self._last_sent >= self.heartbeat_s or self.share.changed():
+            if self.share.due(now, self._last_sent, self.heartbeat_s):
                 self._wake.set()
 
     async def _publisher(self, client: Redis) -> None:
@@ -177,7 +177,7 @@ class RedisLoadPlane:
             await self._wake.wait()
             self._wake.clear()
             # Changes made while this publish is on its way set the flag again: one more report carries them all.
-            if self.share.changed() or self.clock() - self._last_sent >= self.heartbeat_s:
+            if self.share.due(self.clock(), self._last_sent, self.heartbeat_s):
                 await self._publish(client)
 
     async def _publish(self, client: Redis) -> None:

@@ -172,6 +172,10 @@ class LoadShare:
         """Whether a report would say something the last one did not (counts moved, or prefixes were routed)."""
         return bool(self._routed) or self._counts() != self._last
 
+    def due(self, now: float, last_sent: float, heartbeat_s: float) -> bool:
+        """Whether a report should go out now: it would say something new, or the heartbeat is due."""
+        return self.changed() or now - last_sent >= heartbeat_s
+
     def report(self, max_bytes: int | None = None, *, now: float | None = None) -> bytes:
         """The next report to publish (it takes the prefixes routed since the last one). With `max_bytes` (a
         datagram's limit) the newest prefixes that do not fit are left out: they are provisional hints, and the

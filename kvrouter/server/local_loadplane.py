@@ -126,14 +126,14 @@ class LocalLoadPlane:
             await asyncio.sleep(self.interval_s)
             now = self.clock()
             self.share.expire(now)
-            if now - self._last_sent >= self.heartbeat_s or self.share.changed():
+            if self.share.due(now, self._last_sent, self.heartbeat_s):
                 self._wake.set()
 
     async def _sender(self, sock: socket.socket) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.share.changed() or self.clock() - self._last_sent >= self.heartbeat_s:
+            if self.share.due(self.clock(), self._last_sent, self.heartbeat_s):
                 self._send(sock)
 
     async def context(self, app: web.Application) -> AsyncIterator[None]:
