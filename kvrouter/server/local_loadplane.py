@@ -2,13 +2,13 @@
 
 The `--workers` supervisor makes a private directory (mode 0700) and hands it to every worker
 (`KVROUTER_LOAD_SHARE_DIR`). Each worker binds one datagram socket there, `<pid>-<random>.sock`, and sends its
-`LoadShare.report()` to every socket in the directory, its own included (the echo measures the staleness, as on
-Redis): as soon as `LoadShare.notify` says its own load changed (a dispatch, a prefill done, a request finished —
-the request only sets a flag; the sender task runs after it, and every change made before it runs goes out in one
-report), on a change no listener signalled at the next tick (`interval_s`), and every `heartbeat_s`. What it
-receives it folds in, exactly as from Redis (same codec, validation, expiry: kvrouter/routing/sharing.py). A
-worker that died leaves its socket file: the next send is refused and the file is removed; its load expires like
-a silent Redis peer's.
+`LoadShare.report()` to every socket in the directory (listed again at most once a tick), its own included (the echo
+measures the staleness, as on Redis): as soon as `LoadShare.notify` says its own load changed (a dispatch, a prefill
+done, a request finished — the request only sets a flag; the sender task runs after it, and every change made before
+it runs goes out in one report), on a change no listener signalled at the next tick (`interval_s`), and every
+`heartbeat_s`. What it receives it folds in, exactly as from Redis (same codec, validation, expiry:
+kvrouter/routing/sharing.py). A worker that died leaves its socket file: the next send is refused and the file is
+removed; its load expires like a silent Redis peer's.
 
 Why datagrams and not shared memory: a report is small and absolute, so one datagram per peer per interval carries
 it whole, with nothing to lock; the fleet can change on a live reload (a shared-memory table would need a layout
@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
 import os
 import random
 import socket
@@ -61,6 +62,9 @@ class LocalLoadPlane:
         self._wake = asyncio.Event()
         share.notify = self._wake.set
         self._last_sent = 0.0
+        self._peers: list[Path] = []
+        self._listed_at = -math.inf
+        """The sockets in the directory, listed at most once a tick: a report goes out on every change."""
 
     def _drain(self, sock: socket.socket) -> None:
         while True:
@@ -77,14 +81,17 @@ class LocalLoadPlane:
     def _send(self, sock: socket.socket) -> None:
         self._last_sent = now = self.clock()
         payload = self.share.report(self.max_datagram_bytes, now=now)
-        try:
-            peers = list(self.directory.glob("*.sock"))
-        except OSError:
-            peers = [self.path]
-        for peer in peers:
+        if now - self._listed_at >= self.interval_s:
+            self._listed_at = now
+            try:
+                self._peers = list(self.directory.glob("*.sock"))
+            except OSError:
+                self._peers = [self.path]
+        for peer in list(self._peers):
             try:
                 sock.sendto(payload, str(peer))
             except (ConnectionRefusedError, FileNotFoundError):
+                self._peers.remove(peer)
                 with contextlib.suppress(OSError):
                     peer.unlink()  # its process is gone
                 continue
