@@ -22,7 +22,10 @@ during the measurement and its CPU is part of the figure.
 Baseline: `--baseline REF` exports that git revision (`git archive`) into a temporary directory, builds its C
 extensions and runs its router next to this checkout's, on the same bodies, interleaved repeat by repeat;
 figures are medians over `--repeats`. `--workers-check` adds throughput with `--workers 2` against one worker
-(round_robin, no KV events: workers share events only through Redis).
+(`--workers-policy`, round_robin by default with no KV events; kv_aware with them, each worker subscribing to the
+replicas' publishers). On a host with cores to spare, `--router-cpus 0,1` pins every router to those cores and
+this script, the replicas and the load generator to the others, and `--drivers N` spreads the workers check's
+connections over N load-generator processes, so that only the router's cores limit its throughput.
 
 Run from the repository root, e.g. `python loadtest/router_cpu.py --baseline main` (a few minutes).
 """
@@ -31,9 +34,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import random
+import resource
 import shlex
 import shutil
 import socket
@@ -404,8 +410,21 @@ class RouterProcess:
     process: subprocess.Popen[bytes]
 
 
+def _pinned(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A preexec function that pins the child (and what it starts) to `cpus`; None leaves it unpinned."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def start_router(
-    tree: Path, label: str, policy: str, config: Path, workers: int = 1, settings: tuple[str, ...] = ()
+    tree: Path,
+    label: str,
+    policy: str,
+    config: Path,
+    workers: int = 1,
+    settings: tuple[str, ...] = (),
+    cpus: set[int] | None = None,
 ) -> RouterProcess:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
@@ -415,16 +434,17 @@ def start_router(
         sys.executable, "-m", "kvrouter.cli", "--replicas", str(config), "--host", "127.0.0.1",
         "--port", str(port), "--policy", policy, "--log-level", "warning", "--workers", str(workers),
     ]  # fmt: skip
-    return RouterProcess(label, policy, port, subprocess.Popen(argv, cwd=tree, env=env))
+    return RouterProcess(label, policy, port, subprocess.Popen(argv, cwd=tree, env=env, preexec_fn=_pinned(cpus)))
 
 
-def start_peer(spec: str, worker_urls: list[str]) -> RouterProcess:
+def start_peer(spec: str, worker_urls: list[str], cpus: set[int] | None = None) -> RouterProcess:
     """Another router, `NAME=COMMAND` with `{port}`, `{worker_urls}` (space-separated) and `{metrics_port}` (another
     free port, for a peer's own metrics listener: sglang-router and smg both default to 29000) in COMMAND."""
     name, _, template = spec.partition("=")
     port = free_port()
     command = template.format(port=port, worker_urls=" ".join(worker_urls), metrics_port=free_port())
-    return RouterProcess(name, "peer", port, subprocess.Popen(shlex.split(command), stdout=subprocess.DEVNULL))
+    process = subprocess.Popen(shlex.split(command), stdout=subprocess.DEVNULL, preexec_fn=_pinned(cpus))
+    return RouterProcess(name, "peer", port, process)
 
 
 def write_config(path: Path, ports: list[int], event_ports: list[int], tokenizer: Path) -> None:
@@ -514,20 +534,58 @@ async def measure(args: argparse.Namespace, routers: list[RouterProcess], system
                 )
 
 
-async def workers_check(args: argparse.Namespace, tree: Path, config: Path, systems: list[str]) -> None:
+def _drive_share(port: int, concurrency: int, work: list[list[bytes]]) -> Run:
+    """One load-generator process's part of the workers check (a fresh event loop in a forked child)."""
+    return asyncio.run(drive(port, concurrency, work))
+
+
+async def drive_spread(port: int, concurrency: int, work: list[list[bytes]], drivers: int) -> tuple[Run, float]:
+    """`drive` over `drivers` processes (the connections and the bodies split evenly); with one, in this loop.
+    Returns the run (wall time: the slowest driver's) and the load generators' CPU seconds."""
+    before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    if drivers <= 1:
+        run = await drive(port, concurrency, work)
+    else:
+        shares = [work[i::drivers] for i in range(drivers)]
+        context = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(drivers, mp_context=context) as pool:
+            loop = asyncio.get_running_loop()
+            runs = await asyncio.gather(
+                *(loop.run_in_executor(pool, _drive_share, port, max(1, concurrency // drivers), s) for s in shares)
+            )
+        run = Run(sum(r.requests for r in runs), max(r.seconds for r in runs), sum(r.errors for r in runs))
+    after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before, strict=True))
+    return run, cpu
+
+
+async def workers_check(
+    args: argparse.Namespace, tree: Path, config: Path, systems: list[str], cpus: set[int] | None
+) -> None:
+    policy = args.workers_policy
     print()
-    print(f"--workers 2 vs 1 (round_robin, {args.requests} tenants requests, median of {args.repeats}):")
+    print(
+        f"--workers 2 vs 1 ({policy}, {args.requests} tenants requests, median of {args.repeats}, "
+        f"{args.drivers} load-generator process(es), routers on cores {sorted(cpus) if cpus else 'any'}):"
+    )
     results: dict[int, list[float]] = {}
     for workers in (1, 2):
-        router = start_router(tree, "this", "round_robin", config, workers=workers)
+        router = start_router(tree, "this", policy, config, workers=workers, cpus=cpus)
         try:
             await wait_ready(router.port)
             await asyncio.sleep(1.0)
             for repeat in range(args.repeats + 1):
                 bodies = [[b] for _, b in tenant_bodies(systems, args.requests, False, f"w{workers}-{repeat}")]
-                run = await drive(router.port, args.concurrency, bodies)
+                cpu_before = cpu_seconds(router.process.pid)
+                run, driver_cpu = await drive_spread(router.port, args.concurrency, bodies, args.drivers)
+                router_cpu = cpu_seconds(router.process.pid) - cpu_before
                 if repeat:  # the first is a warm-up
                     results.setdefault(workers, []).append(run.requests / run.seconds)
+                    print(
+                        f"  {workers} worker(s), repeat {repeat}: {run.requests / run.seconds:,.0f} req/s, "
+                        f"{run.errors} errors; router {router_cpu / run.seconds:.2f} cores busy, "
+                        f"load generator {driver_cpu / run.seconds:.2f} cores"
+                    )
         finally:
             router.process.terminate()
             router.process.wait(timeout=30)
@@ -540,6 +598,12 @@ def run_bench(args: argparse.Namespace, loop_factory: Callable[[], asyncio.Abstr
 
     from kvrouter.tinymodel import ensure_tokenizer
 
+    router_cpus = {int(c) for c in args.router_cpus.split(",")} if args.router_cpus else None
+    if router_cpus:  # this script, the replicas and the load generators keep off the routers' cores
+        others = set(range(os.cpu_count() or 1)) - router_cpus
+        if not others:
+            raise SystemExit("--router-cpus leaves no core for the replicas and the load generator")
+        os.sched_setaffinity(0, others)
     tokenizer_dir = ensure_tokenizer()
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     systems = system_prompts(args.tenants, args.system_tokens, tokenizer)
@@ -566,16 +630,17 @@ def run_bench(args: argparse.Namespace, loop_factory: Callable[[], asyncio.Abstr
             for label, tree in trees:
                 for policy in args.policies:
                     settings = tuple(args.setting) if label == "this" else ()
-                    routers.append(start_router(tree, label, policy, config, settings=settings))
+                    routers.append(start_router(tree, label, policy, config, settings=settings, cpus=router_cpus))
             urls = [f"http://127.0.0.1:{port}" for port in ports]
             for peer in args.peer:
-                routers.append(start_peer(peer, urls))
+                routers.append(start_peer(peer, urls, router_cpus))
             with asyncio.Runner(loop_factory=loop_factory) as runner:
                 runner.run(measure(args, routers, systems))
                 if args.workers_check:
                     plain = Path(tmp) / "plain.yaml"
                     write_config(plain, ports, [], tokenizer_dir)
-                    runner.run(workers_check(args, REPO, plain, systems))
+                    checked = config if args.workers_policy == "kv_aware" else plain
+                    runner.run(workers_check(args, REPO, checked, systems, router_cpus))
         finally:
             for process in [*processes, *(r.process for r in routers)]:
                 process.terminate()
@@ -617,6 +682,9 @@ def main() -> int:
         help="another router ({port}, {worker_urls}, {metrics_port})",
     )
     parser.add_argument("--workers-check", action="store_true", help="also --workers 2 vs 1 throughput")
+    parser.add_argument("--workers-policy", default="round_robin", help="the workers check's policy")
+    parser.add_argument("--drivers", type=int, default=1, help="load-generator processes in the workers check")
+    parser.add_argument("--router-cpus", help="pin the routers to these cores (e.g. 0,1), the rest to the others")
     parser.add_argument("--serve-replicas", help=argparse.SUPPRESS)
     parser.add_argument("--event-ports", default="", help=argparse.SUPPRESS)
     parser.add_argument("--prefixes", help=argparse.SUPPRESS)
