@@ -490,7 +490,7 @@ class Settings(BaseSettings):
         ge=0,
         description=(
             "Text still to encode after the cached prefix, in characters, up to which a request tokenizes on the "
-            "event loop (~0.55 ms at 2,048) instead of paying the hop to the threads; 0: every request on the threads."
+            "event loop (~0.5 ms at 2,048) instead of paying the hop to the threads; 0: every request on the threads."
         ),
     )
     provisional_ttl_s: float = Field(

@@ -26,16 +26,17 @@ its per-call copies (`_plain_render`; checked against it per template), and work
 On the loop or on the threads (`inline_chars`): the render, the cache lookups and an encode of at most
 `inline_chars` characters (the text left after the cached prefix; a completion prompt's every string) run on the
 event loop; a longer encode goes to the threads. The render and the lookups hold the GIL wherever they run, so a
-thread buys them nothing; what a thread buys is the Rust encode, which releases the GIL, and only while the loop
-has other work. The hop itself (the hand-off, the GIL passed back and forth, futex wakeups: kernel time was ~20%
-of the router's CPU when every request hopped) costs ~170 µs of CPU a request (tokenizing router_cpu.py's bodies
-one at a time: 504 µs a request with every request on the threads, 334 µs with the default), more than encoding a
-multi-turn tail (one answer and one question, ~400 characters: ~120 µs, median of 8,000 with the fixtures'
-tokenizer on this 2-core machine). The bound is for the loop's latency: 2,048 characters (~470 tokens) encode in
-~0.55 ms (median 0.54-0.59 ms over four runs, p99 ≤ 0.8 ms), so no request holds the loop for much more than half
-a millisecond to encode, and longer work never runs there. `inline_chars = 0` sends every request to the threads,
-as before. Prompts over `large_chars` keep their own thread and queue bound either way. The ids are the same on
-both paths (the same code runs, only the thread differs; tests/test_hot_path_equivalence.py).
+thread buys them nothing; what a thread buys is the Rust encode, which releases the GIL, and only while the loop has
+other work. The hop itself (the hand-off, the GIL passed back and forth, futex wakeups: kernel time was ~20% of the
+router's CPU when every request hopped) costs ~170 µs of CPU a request (`loadtest/bench_tokenizer_inline.py`:
+router_cpu.py's bodies one at a time, 504-524 µs a request with every request on the threads, 334-357 µs with the
+default), more than encoding a multi-turn tail (one answer and one question, ~400 characters: 67-139 µs, medians of
+8,000 calls with the fixtures' tokenizer on this 2-core machine). The bound is for the loop's latency: 2,048
+characters (~480 tokens) encode in ~0.5 ms (medians 0.46-0.59 ms over six runs, p99 ≤ 0.87 ms), so no request holds
+the loop for much more than half a millisecond to encode, and longer work never runs there. `inline_chars = 0` sends
+every request to the threads, as before. Prompts over `large_chars` keep their own thread and queue bound either
+way. The ids are the same on both paths (the same code runs, only the thread differs;
+tests/test_hot_path_equivalence.py).
 
 Block keys of a cached prefix (`RenderCache.block_keys`): an entry keeps its prompt's chained block keys per
 (block size, seed, adapter and salt), at most four such sets; a render that reused a cached prefix's ids starts
