@@ -1,4 +1,4 @@
-"""Request -> the exact token ids the engine will see, off the event loop, with a prefix-reusing cache.
+"""Request -> the exact token ids the engine will see, with a prefix-reusing cache; long encodes off the event loop.
 
 Chat requests are rendered the way vLLM renders them: the tokenizer's chat template with
 `add_generation_prompt` (default true) and `continue_final_message` (default false) from the request, its
@@ -20,8 +20,23 @@ The hot path's costs: the shared prefix is found with memcmp (`_blockkeys.common
 extension), ids move in and out of the cache as 4-byte arrays, and the Rust tokenizer is called directly, its
 batch call releasing the GIL, as transformers does, without the wrapper's per-call checks. Plain chat messages
 are rendered from transformers' compiled template with the context `apply_chat_template` would build, without
-its per-call copies (`_plain_render`; checked against it per template), and requests reach the threads through
+its per-call copies (`_plain_render`; checked against it per template), and work reaches the threads through
 `WorkerThreads` (kvrouter/worker_threads.py), not `run_in_executor`.
+
+On the loop or on the threads (`inline_chars`): the render, the cache lookups and an encode of at most
+`inline_chars` characters (the text left after the cached prefix; a completion prompt's every string) run on the
+event loop; a longer encode goes to the threads. The render and the lookups hold the GIL wherever they run, so a
+thread buys them nothing; what a thread buys is the Rust encode, which releases the GIL, and only while the loop has
+other work. The hop itself (the hand-off, the GIL passed back and forth, futex wakeups: kernel time was ~20% of the
+router's CPU when every request hopped) costs ~170 µs of CPU a request (`loadtest/bench_tokenizer_inline.py`:
+router_cpu.py's bodies one at a time, 504-524 µs a request with every request on the threads, 334-357 µs with the
+default), more than encoding a multi-turn tail (one answer and one question, ~400 characters: 67-139 µs, medians of
+8,000 calls with the fixtures' tokenizer on this 2-core machine). The bound is for the loop's latency: 2,048
+characters (~480 tokens) encode in ~0.5 ms (medians 0.46-0.59 ms over six runs, p99 ≤ 0.87 ms), so no request holds
+the loop for much more than half a millisecond to encode, and longer work never runs there. `inline_chars = 0` sends
+every request to the threads, as before. Prompts over `large_chars` keep their own thread and queue bound either
+way. The ids are the same on both paths (the same code runs, only the thread differs;
+tests/test_hot_path_equivalence.py).
 
 Block keys of a cached prefix (`RenderCache.block_keys`): an entry keeps its prompt's chained block keys per
 (block size, seed, adapter and salt), at most four such sets; a render that reused a cached prefix's ids starts
@@ -35,7 +50,8 @@ text after tokenizing) is a 413; token ids outside the tokenizer's vocabulary ar
 `large_chars` tokenizes on its own single thread, so small requests never queue behind it; at most `large_queue`
 such prompts tokenize or wait at once, one more is a 429.
 
-Knobs: `threads` (tokenizer worker threads for ordinary prompts; HF fast tokenizers release the GIL), `limits`,
+Knobs: `threads` (tokenizer worker threads for ordinary prompts; HF fast tokenizers release the GIL),
+`inline_chars` (the longest encode done on the event loop; 0: none), `limits`,
 `cache_entries` and `cache_bytes` (bound the cache: ids are kept as 4-byte arrays and every entry's bytes are
 counted — text, ids, boundaries, block keys and overhead). A request that cannot be rendered raises `RequestError`
 (400).
@@ -53,6 +69,7 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -356,11 +373,16 @@ class HfPromptTokenizer:
         path: str | Path,
         *,
         threads: int = 2,
+        inline_chars: int = 2048,
         limits: PromptLimits | None = None,
         cache_entries: int = 1024,
         cache_bytes: int = 256 * 1024 * 1024,
         on_refused: Callable[[str], None] | None = None,
     ) -> None:
+        if inline_chars < 0:
+            raise ValueError(
+                f"inline_chars must be at least 0 (0: every prompt tokenizes on the threads), not {inline_chars}"
+            )
         check_tokenizer_dir(path)
         from transformers import AutoTokenizer
 
@@ -372,6 +394,7 @@ class HfPromptTokenizer:
             raise ValueError(f"the tokenizer in {path} is not a fast (Rust) tokenizer")
         self.cache = RenderCache(max_entries=cache_entries, max_bytes=cache_bytes)
         self.limits = limits or PromptLimits()
+        self.inline_chars = inline_chars
         self._on_refused = on_refused or (lambda reason: None)
         self._pool = WorkerThreads(threads, "kvrouter-tokenizer")
         # One thread of its own for large prompts: ordinary requests never wait behind them.
@@ -428,6 +451,8 @@ class HfPromptTokenizer:
         try:
             chars = self.check(request)
             if chars <= self.limits.large_chars:
+                if self.inline_chars:
+                    return await self._token_ids_inline(request, chars)
                 return await self._pool.run(self.token_ids, request)
             if self._large_pending >= self.limits.large_queue:
                 raise RequestError(
@@ -446,6 +471,34 @@ class HfPromptTokenizer:
             if reason is not None:
                 self._on_refused(reason)
             raise
+
+    async def _token_ids_inline(self, request: ParsedRequest, chars: int) -> list[Sequence[int]]:
+        """`token_ids` with the render, the cache lookups and the encode of at most `inline_chars` characters on
+        the event loop, a longer encode on the threads (`chars`: the prompt's characters, already checked)."""
+        body = request.body
+        add_special = self._add_special(body)
+        if request.endpoint != "chat":
+            if chars > self.inline_chars:  # every character of a completion prompt is encoded
+                return await self._pool.run(self.token_ids, request)
+            return self._within_limits(
+                body, self._completion_ids(request, True if add_special is None else add_special)
+            )
+        text = self.render(request)
+        ids: Sequence[int] | None
+        if add_special:
+            if len(text) <= self.inline_chars:
+                ids = self._encode(text, True)
+            else:
+                ids = await self._pool.run(self._encode_with_special, text)
+            return self._within_limits(body, [ids])
+        ids = self.cache.exact(text)
+        if ids is None:
+            head = self.cache.best_prefix(text) or _no_head()
+            if len(text) - len(head.text) <= self.inline_chars:
+                ids = self._tokenize_and_keep(text, head)
+            else:
+                ids = await self._pool.run(partial(self._tokenize_and_keep, text), head)
+        return self._within_limits(body, [ids])
 
     def check(self, request: ParsedRequest) -> int:
         """The prompt's characters, once they and any token ids are within the limits (cheap: no tokenizing)."""
@@ -469,20 +522,29 @@ class HfPromptTokenizer:
                 code="invalid_token_id",
             )
 
-    # ---- synchronous core (runs on the pool) --------------------------------------------------------------
+    # ---- synchronous core (on the pool; short work on the loop) ------------------------------------------------------
 
     def token_ids(self, request: ParsedRequest) -> list[Sequence[int]]:
         """Token ids of every prompt: lists, or (a chat prompt) the render cache's 4-byte array, shared with it
         and read-only, which block keys hash in place (no list of thousands of ints per request)."""
         body = request.body
-        add_special = body.get("add_special_tokens")
-        if add_special is not None and not isinstance(add_special, bool):
-            raise RequestError("'add_special_tokens' must be a boolean", param="add_special_tokens")
+        add_special = self._add_special(body)
         prompts: list[Sequence[int]]
         if request.endpoint == "chat":
             prompts = [self._chat_ids(request, bool(add_special))]
         else:
             prompts = self._completion_ids(request, True if add_special is None else add_special)
+        return self._within_limits(body, prompts)
+
+    @staticmethod
+    def _add_special(body: Mapping[str, Any]) -> bool | None:
+        add_special = body.get("add_special_tokens")
+        if add_special is not None and not isinstance(add_special, bool):
+            raise RequestError("'add_special_tokens' must be a boolean", param="add_special_tokens")
+        return add_special
+
+    def _within_limits(self, body: Mapping[str, Any], prompts: list[Sequence[int]]) -> list[Sequence[int]]:
+        """The prompts truncated as the request asks, once none is longer than `max_tokens`."""
         truncate = body.get("truncate_prompt_tokens")
         if isinstance(truncate, int) and not isinstance(truncate, bool) and truncate > 0:
             prompts = [ids[-truncate:] for ids in prompts]
@@ -517,6 +579,9 @@ class HfPromptTokenizer:
             encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
             return list(encode([text], add_special_tokens=add_special)[0].ids)
         return list(self.tokenizer(text, add_special_tokens=add_special).input_ids)
+
+    def _encode_with_special(self, text: str) -> list[int]:
+        return self._encode(text, True)
 
     def render(self, request: ParsedRequest) -> str:
         """The chat prompt text the engine's template produces for `request`."""
@@ -666,8 +731,11 @@ class HfPromptTokenizer:
         ids = self.cache.exact(text)
         if ids is not None:
             return ids
-        head = self.cache.best_prefix(text)
-        render = self._tokenize_render(text, head or _Render("", array("I"), [], [], {}))
+        return self._tokenize_and_keep(text, self.cache.best_prefix(text) or _no_head())
+
+    def _tokenize_and_keep(self, text: str, head: _Render) -> array[int]:
+        """The ids of `text` from those of `head` (a known start of it), kept in the cache."""
+        render = self._tokenize_render(text, head)
         self.cache.put(render)
         return render.ids
 
@@ -694,6 +762,12 @@ class HfPromptTokenizer:
             head.counts + [base + position + 1 for position in positions],
             head.keys,
         )
+
+
+def _no_head() -> _Render:
+    """The empty start a render without a cached prefix tokenizes from (new each time: the cache keeps its keys
+    dict and adds to it)."""
+    return _Render("", array("I"), [], [], {})
 
 
 def _tool(tool: object) -> dict[str, Any]:

@@ -111,6 +111,15 @@ def test_bad_environment_value_names_the_variable(
     assert code == 2 and "KVROUTER_MAX_RETRIES" in err and err.count("\n") == 1
 
 
+def test_a_negative_tokenizer_inline_bound_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVROUTER_TOKENIZER_INLINE_CHARS", "-1")
+    code, err = run_serve(capsys, "--replicas", str(write(tmp_path, SMALLEST)))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "KVROUTER_TOKENIZER_INLINE_CHARS" in err and "greater than or equal to 0" in err, err
+
+
 def test_missing_replicas_and_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, err = run_serve(capsys)
     assert code == 2 and "--replicas" in err and err.count("\n") == 1

@@ -5,7 +5,8 @@ it (the render cache reusing token prefixes, the Rust tokenizer called directly,
 provisional marks expiring in C), one built from the plain definitions (every prompt rendered and tokenized whole
 through transformers, the pure-Python index). Every decision — the chosen replica and every candidate's score
 breakdown — and every predicted cached-token count must be equal, over many tenants sharing long system prompts,
-growing conversations, marks that expire while others are renewed, and blocks stored and evicted by events.
+growing conversations, marks that expire while others are renewed, and blocks stored and evicted by events; with
+the tokenizer encoding on its threads only, and encoding short tails on the event loop (`tokenizer_inline_chars`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 from typing import Any
+
+import pytest
 
 from kvrouter.blocks import chain_keys
 from kvrouter.blocktable import native_backend, pure_backend
@@ -63,9 +67,20 @@ def requests(seed: int) -> list[tuple[float, bytes]]:
     return out
 
 
-def test_decisions_and_predictions_equal_the_plain_definitions() -> None:
+@pytest.mark.parametrize("inline_chars", [0, 300, Settings().tokenizer_inline_chars])
+def test_decisions_and_predictions_equal_the_plain_definitions(inline_chars: int) -> None:
+    """With every encode on the threads (0), short tails on the loop (300: some tails over it, some under) and the
+    default bound: the same ids, keys, decisions and predictions as the plain definitions, so as each other."""
     settings = Settings()
-    fast_prompt = HfPromptTokenizer(ensure_tokenizer(), threads=1)
+    fast_prompt = HfPromptTokenizer(ensure_tokenizer(), threads=1, inline_chars=inline_chars)
+    encodes: list[bool] = []  # per encode: on the event loop's thread?
+    encode = fast_prompt._encode
+
+    def spy(text: str, add_special: bool) -> list[int]:
+        encodes.append(threading.current_thread() is threading.main_thread())
+        return encode(text, add_special)
+
+    fast_prompt._encode = spy  # type: ignore[method-assign]
     plain_prompt = HfPromptTokenizer(ensure_tokenizer(), threads=1)
     clock = [0.0]
     routers = [
@@ -118,5 +133,7 @@ def test_decisions_and_predictions_equal_the_plain_definitions() -> None:
                 routed.first_token(now)
                 routed.finish(now)
     assert fast_prompt.cache.partial_hits > 50  # the fast side did take its shortcuts
+    # ... on the path asked for: the threads only, or the loop for short tails (and the threads for 300's long ones)
+    assert any(encodes) == (inline_chars > 0) and all(encodes) == (inline_chars > 300), (inline_chars, encodes)
     fast_prompt.close()
     plain_prompt.close()

@@ -14,7 +14,7 @@ import pytest
 
 from kvrouter.openai_request import ParsedRequest, RequestError, parse_request
 from kvrouter.tinymodel import ensure_tokenizer
-from kvrouter.tokenization import HfPromptTokenizer, build_prompt_tokenizer
+from kvrouter.tokenization import HfPromptTokenizer, PromptLimits, build_prompt_tokenizer
 from tests.vllm_captures import model_dir
 
 
@@ -202,18 +202,74 @@ def test_the_cache_is_bounded(tiny_dir: Path) -> None:
     tokenizer.close()
 
 
-async def test_tokenization_runs_on_the_worker_threads(tiny: HfPromptTokenizer) -> None:
-    seen: list[str] = []
-    original = tiny.token_ids
+def encodes_by_thread(tokenizer: HfPromptTokenizer) -> list[tuple[str, int]]:
+    """(thread name, characters) of every encode `tokenizer` makes from now on."""
+    seen: list[tuple[str, int]] = []
+    original = tokenizer._encode
 
-    def spy(request: ParsedRequest) -> list[list[int]]:
-        seen.append(threading.current_thread().name)
-        return original(request)
+    def spy(text: str, add_special: bool) -> list[int]:
+        seen.append((threading.current_thread().name, len(text)))
+        return original(text, add_special)
 
-    tiny.token_ids = spy  # type: ignore[method-assign]
-    ids = await tiny.prompt_token_ids(completion(prompt="hello"))
-    assert ids == original(completion(prompt="hello"))
-    assert seen and seen[0].startswith("kvrouter-tokenizer")
+    tokenizer._encode = spy  # type: ignore[method-assign]
+    return seen
+
+
+LOOP = threading.main_thread().name
+
+
+async def test_short_tails_encode_on_the_loop_and_long_ones_on_the_threads(tiny_dir: Path) -> None:
+    tokenizer = HfPromptTokenizer(tiny_dir, threads=2, inline_chars=300)
+    seen = encodes_by_thread(tokenizer)
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You answer invoices. " * 60}]
+    turns = [("hello", LOOP), ("a long question " * 40, "kvrouter-tokenizer_"), ("thanks", LOOP)]
+    for n, (question, expected) in enumerate(turns):
+        if n:
+            messages.append({"role": "assistant", "content": f"answer {n}"})
+        request = chat(messages=[*messages, {"role": "user", "content": question}])
+        before = len(seen)
+        ids = lists(await tokenizer.prompt_token_ids(request))
+        assert ids == [fresh_chat_ids(tokenizer, request)]
+        if n == 0:  # nothing cached yet: the whole render is the tail, over the bound
+            assert len(seen) == before + 1 and seen[-1][1] > 300 and seen[-1][0].startswith("kvrouter-tokenizer_")
+            continue
+        (thread, chars), *rest = seen[before:]
+        assert not rest and thread.startswith(expected), seen
+        assert (chars <= 300) == (expected == LOOP)
+    tokenizer.close()
+
+
+async def test_completion_prompts_over_the_bound_and_large_prompts_take_the_threads(tiny_dir: Path) -> None:
+    limits = PromptLimits(large_chars=1000)
+    tokenizer = HfPromptTokenizer(tiny_dir, threads=2, inline_chars=800, limits=limits)
+    seen = encodes_by_thread(tokenizer)
+    await tokenizer.prompt_token_ids(completion(prompt="hello"))
+    await tokenizer.prompt_token_ids(completion(prompt=["x" * 500, "y" * 500]))  # 1,000 characters to encode
+    # Over `large_chars` (and a cached render covers all but the last words): still its own large-prompt thread.
+    system = {"role": "system", "content": "a shared preamble. " * 60}
+    await tokenizer.prompt_token_ids(chat(messages=[system, {"role": "user", "content": "one"}]))
+    await tokenizer.prompt_token_ids(chat(messages=[system, {"role": "user", "content": "two"}]))
+    threads = [name for name, _ in seen]
+    assert threads[0] == LOOP
+    assert threads[1].startswith("kvrouter-tokenizer_") and threads[2].startswith("kvrouter-tokenizer_")
+    assert threads[3:] and all(name.startswith("kvrouter-tokenizer-large_") for name in threads[3:]), threads
+    tokenizer.close()
+
+
+async def test_inline_chars_zero_sends_every_request_to_the_threads(tiny_dir: Path) -> None:
+    tokenizer = HfPromptTokenizer(tiny_dir, threads=2, inline_chars=0)
+    seen = encodes_by_thread(tokenizer)
+    assert await tokenizer.prompt_token_ids(completion(prompt="hello")) == [
+        list(tokenizer.tokenizer("hello").input_ids)
+    ]
+    await tokenizer.prompt_token_ids(chat(messages=[{"role": "user", "content": "hi"}]))
+    assert len(seen) == 2 and all(name.startswith("kvrouter-tokenizer_") for name, _ in seen), seen
+    tokenizer.close()
+
+
+def test_a_negative_inline_bound_is_refused(tiny_dir: Path) -> None:
+    with pytest.raises(ValueError, match="inline_chars must be at least 0"):
+        HfPromptTokenizer(tiny_dir, inline_chars=-1)
 
 
 def test_no_tokenizer_configured_means_none_and_a_bad_path_is_an_error(tmp_path: Path) -> None:

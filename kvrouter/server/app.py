@@ -126,6 +126,7 @@ def build_prefix_parts(
             tokenizer = HfPromptTokenizer(
                 fleet.tokenizer,
                 threads=settings.tokenizer_threads,
+                inline_chars=settings.tokenizer_inline_chars,
                 limits=prompt_limits(settings),
                 cache_bytes=settings.tokenizer_cache_bytes,
                 on_refused=lambda reason: metrics.client_rejections.labels(reason).inc(),
