@@ -31,12 +31,12 @@ other work. The hop itself (the hand-off, the GIL passed back and forth, futex w
 router's CPU when every request hopped) costs ~170 µs of CPU a request (`loadtest/bench_tokenizer_inline.py`:
 router_cpu.py's bodies one at a time, 504-524 µs a request with every request on the threads, 334-357 µs with the
 default), more than encoding a multi-turn tail (one answer and one question, ~400 characters: 67-139 µs, medians of
-8,000 calls with the fixtures' tokenizer on this 2-core machine). The bound is for the loop's latency: 2,048
-characters (~480 tokens) encode in ~0.5 ms (medians 0.46-0.59 ms over six runs, p99 ≤ 0.87 ms), so no request holds
-the loop for much more than half a millisecond to encode, and longer work never runs there. `inline_chars = 0` sends
-every request to the threads, as before. Prompts over `large_chars` keep their own thread and queue bound either
-way. The ids are the same on both paths (the same code runs, only the thread differs;
-tests/test_hot_path_equivalence.py).
+8,000 calls with the project's tiny tokenizer, `kvrouter.tinymodel`, on this 2-core machine). The bound is for the
+loop's latency: 2,048 characters (~480 tokens) encode in ~0.5 ms (medians 0.46-0.59 ms over six runs, p99 ≤ 0.87
+ms), so no request holds the loop for much more than half a millisecond to encode, and longer work never runs
+there. `inline_chars = 0` sends every request to the threads, as before. Prompts over `large_chars` keep their own
+thread and queue bound either way. The ids are the same on both paths (the same code runs, only the thread
+differs; tests/test_hot_path_equivalence.py).
 
 Block keys of a cached prefix (`RenderCache.block_keys`): an entry keeps its prompt's chained block keys per
 (block size, seed, adapter and salt), at most four such sets; a render that reused a cached prefix's ids starts

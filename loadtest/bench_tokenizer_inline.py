@@ -2,8 +2,9 @@
 
 1. The encode the loop runs for a short tail (`HfPromptTokenizer._encode`, the Rust tokenizer called directly):
    wall time per call on slices of a rendered multi-turn conversation of `loadtest/router_cpu.py`'s words, ~400
-   characters (one answer and one question, the usual tail) and 2,048 (the default bound), with the fixtures'
-   tokenizer (`kvrouter.tinymodel`). Median, p90 and p99 of `--calls` calls over 8 slices.
+   characters (one answer and one question, the usual tail) and 2,048 (the default bound), with the project's tiny
+   tokenizer (`kvrouter.tinymodel`) or `--tokenizer DIR` (e.g. ../shared/fixtures/vllm-kv-events/model). Median,
+   p90 and p99 of `--calls` calls over 8 slices.
 2. The process's CPU per request through `prompt_token_ids`, one request at a time, with `inline_chars=0` (every
    request on the threads, as before) and the default (short tails on the loop), on router_cpu.py's tenant and
    multi-turn bodies (20 tenants' ~4,000-token system prompts): the loop's thread, the tokenizer threads and the
@@ -92,8 +93,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--calls", type=int, default=8000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokenizer", type=Path, help="a tokenizer directory (default: the tiny one)")
     args = parser.parse_args()
-    path = ensure_tokenizer()
+    path = args.tokenizer or ensure_tokenizer()
     tokenizer = HfPromptTokenizer(path, threads=1)
     encode_times(tokenizer, args.calls)
     systems = router_cpu.system_prompts(20, 4000, tokenizer.tokenizer)
