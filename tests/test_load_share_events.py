@@ -255,3 +255,32 @@ def test_the_own_echo_measures_staleness_and_sets_the_blind_horizon() -> None:
     assert not share.receive(second, 10.0015)
     assert share.staleness_s == pytest.approx(0.002)  # the largest recent echo counts
     assert share.problems == {}
+
+
+@pytest.mark.redis
+async def test_stop_ends_a_receiver_that_swallowed_its_cancel(
+    redis_server: RedisServer,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """redis-py can swallow a cancel that lands as a blocking read starts; a worker then hung on SIGTERM. The
+    receiver here swallows it outright and goes back to reading the channel: `stop` must still end the plane
+    (by closing the client's connections), within its bounded waits."""
+    plane = redis_plane(Instance("x"), redis_server.url)
+    swallowed = asyncio.Event()
+
+    async def stubborn_receiver(pubsub: Any) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            swallowed.set()  # as redis-py's read can: the cancel is gone
+        while True:
+            await pubsub.get_message(timeout=None)  # blocks until its connection closes
+
+    monkeypatch.setattr(plane, "_receiver", stubborn_receiver)
+    task = asyncio.create_task(plane.run())
+    await eventually(lambda: plane.stats.connected, what="connected")
+    started = time.monotonic()
+    await asyncio.wait_for(plane.stop(task), timeout=10.0)
+    assert swallowed.is_set()
+    assert task.done()
+    assert time.monotonic() - started < 7.0

@@ -110,6 +110,7 @@ class RedisLoadPlane:
         self._wake = asyncio.Event()
         share.notify = self._wake.set
         self._last_sent = 0.0
+        self._client: Redis | None = None
 
     async def run(self) -> None:
         """Until cancelled: publish, receive, expire; reconnect with back-off when Redis goes away."""
@@ -131,7 +132,7 @@ class RedisLoadPlane:
             backoff = min(backoff * 2, 5.0)
 
     async def _session(self) -> None:
-        client = self.connect()
+        client = self._client = self.connect()
         pubsub = client.pubsub(ignore_subscribe_messages=True)
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -199,9 +200,21 @@ class RedisLoadPlane:
     async def context(self, app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self.run(), name="kvrouter-load-plane")
         yield
+        await self.stop(task)
+
+    async def stop(self, task: asyncio.Task[None]) -> None:
+        """Cancel `run` and wait for it, never forever. redis-py can swallow a cancel that lands as a blocking read
+        starts (the event follower's `stop` meets the same), and the receiver blocks on the channel until a message
+        comes: a worker then hung on SIGTERM (2 runs in ~47 of tests/test_redis_workers.py's restart test). Closing
+        the client's sockets ends such a read at once."""
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        done, _ = await asyncio.wait([task], timeout=1.0)
+        if not done and self._client is not None:
+            log.warning("load plane: a Redis read did not take the cancel; closing its connections")
+            with contextlib.suppress(Exception):
+                await self._client.connection_pool.disconnect(inuse_connections=True)
+            task.cancel()
+            await asyncio.wait([task], timeout=5.0)
 
 
 class SharingPlane(Protocol):
