@@ -442,6 +442,14 @@ class Settings(BaseSettings):
         "before deciding, so instances reading the same stale load do not herd onto one replica "
         "(kvrouter/routing/herding.py, docs/scaling.md).",
     )
+    load_share_stagger_max_s: float = Field(
+        default=0.05,
+        ge=0,
+        le=1.0,
+        description="With the blind group: an instance of rank r (among the live instances, by name) waits r times "
+        "the plane's staleness before deciding, at most this long, so a burst spread over the instances is decided "
+        "in rank order, each seeing the earlier ones (kvrouter/routing/herding.py, docs/scaling.md); 0: never wait.",
+    )
     load_share_heartbeat_s: float = Field(
         default=0.5, gt=0, le=10.0, description="Publish a load report this often even when nothing changed."
     )

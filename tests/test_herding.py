@@ -94,6 +94,57 @@ def test_with_the_blind_group_a_burst_spreads_over_the_replicas() -> None:
     assert bursts(blind=True) == spread  # seeded: the same draws, the same choices
 
 
+def staggered_bursts(count: int = 12) -> list[list[str]]:
+    """As `bursts`, but each instance waits its stagger before deciding and reports reach the others one horizon
+    after a decision: the instance ranked r decides r horizons after the burst, having heard the ones before it."""
+    clock = Clock()
+    instances = [Instance(name, clock, True) for name in ("w", "x", "y", "z")]
+    exchange(instances, 0.0)  # every instance knows the others: ranked w, x, y, z
+    seen = []
+    for burst in range(count):
+        start = 1.0 + burst * 1.0
+        routed = []
+        for instance in instances:
+            group = instance.router.blind_group
+            assert group is not None
+            clock.now = start + group.stagger_s()
+            exchange(instances, clock.now)  # the earlier instances' reports have arrived
+            routed.append(instance.route_to_chosen(8000))
+        seen.append([str(request.replica) for request in routed])
+        clock.now += HORIZON
+        exchange(instances, clock.now)
+        clock.now += 0.5
+        for request in routed:
+            request.finish(clock.now)
+        exchange(instances, clock.now)
+    return seen
+
+
+def test_staggered_instances_decide_a_burst_in_rank_order_as_one_router_would() -> None:
+    # Every burst: four requests, four replicas, one each (one router deciding them in turn does the same).
+    assert all(crowding(burst) == 1 for burst in staggered_bursts())
+
+
+def test_the_stagger_is_the_rank_times_the_horizon_capped() -> None:
+    group = BlindGroup(BlindGroupConfig(horizon_s=0.004), random.Random(0))
+    assert group.stagger_s() == 0.0  # no rank known yet
+    group.rank_among(0, 3)
+    assert group.stagger_s() == 0.0
+    group.rank_among(2, 3)
+    assert group.stagger_s() == pytest.approx(0.008)
+    group.retune(0.04)  # a slower plane: 80 ms, capped at the default 50
+    assert group.stagger_s() == pytest.approx(0.05)
+    group.waited(0.05)
+    assert (group.staggered, group.stagger_seconds) == (1, pytest.approx(0.05))
+    for config in (BlindGroupConfig(horizon_s=0.004, stagger_max_s=0.0), BlindGroupConfig(0.004, ranked=False)):
+        unranked = BlindGroup(config, random.Random(0))
+        unranked.rank_among(2, 3)
+        assert unranked.stagger_s() == 0.0
+    for bad in (-0.001, 1.5):
+        with pytest.raises(ValueError):
+            BlindGroupConfig(horizon_s=0.01, stagger_max_s=bad)
+
+
 def test_the_blind_group_counts_peer_dispatches_inside_its_horizon_only() -> None:
     group = BlindGroup(BlindGroupConfig(horizon_s=0.02, window=4), random.Random(1))
     group.committed(NOTHING, 1000, 0.0)

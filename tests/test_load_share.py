@@ -230,6 +230,20 @@ async def test_two_routers_share_load_and_ignore_a_hostile_peer(
         response = await stream
         await response.read()
     await eventually(lambda: sum(book_b.snapshot(r.name).in_flight for r in replicas) == 0, what="released")
+
+    # The instance ranked second waits its stagger (one horizon, capped at load_share_stagger_max_s) before each
+    # decision, so a burst split between the two is decided in rank order; the first never waits.
+    ranked = sorted((g.rank, g, client) for g, client in zip(groups, clients, strict=True) if g is not None)
+    (_, first, first_client), (_, second, second_client) = ranked
+    waited = (first.staggered, second.staggered, second.stagger_seconds)
+    for client in (first_client, second_client):
+        answer = await client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2})
+        assert answer.status == 200
+    assert first.staggered == waited[0]
+    assert second.staggered == waited[1] + 1
+    assert 0 < second.stagger_seconds - waited[2] <= 0.05 + 1e-9
+    text = await (await second_client.get("/metrics")).text()
+    assert f"kvrouter_load_share_staggered_decisions_total {float(second.staggered)}" in text
     # a stops publishing (its plane is torn down with the app): b drops it within the expiry.
     await a.close()
     await eventually(lambda: book_b.peers() == [], within_s=5.0, what="expired")

@@ -263,6 +263,17 @@ class LoadPlaneCollector(Collector):
                 "Placeholders for peers' unseen requests placed before this instance's decisions.",
                 value=blind.placed,
             )
+            yield CounterMetricFamily(
+                "kvrouter_load_share_staggered_decisions",
+                "Decisions that waited this instance's stagger (its rank times the staleness, capped by "
+                "load_share_stagger_max_s) so a burst is decided in rank order.",
+                value=blind.staggered,
+            )
+            yield CounterMetricFamily(
+                "kvrouter_load_share_stagger_seconds",
+                "Seconds this instance's decisions waited for their stagger, in all.",
+                value=blind.stagger_seconds,
+            )
         counters = (
             ("published", "Load reports this instance published.", stats.published),
             ("published_bytes", "Bytes of load reports this instance published.", stats.published_bytes),

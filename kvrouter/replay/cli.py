@@ -9,8 +9,9 @@ prompts and fresh engines, so rows differ only by routing.
 Several routers (`kvrouter.replay.routers`): `--routers 4 --spread random --share-delay-ms off,0,10,50,200` replays
 each policy through four router instances, once per sharing setting (`off`: each counts only its own load), one
 row each, labelled `<policy>@k4-share<ms>` or `<policy>@k4-unshared`; with a delay each instance decides through
-its blind group (kvrouter/routing/herding.py); `--blind-group on,random,off` adds its random-place row
-(`...-randomplace`) and the plain policy's (`...-herd`).
+its blind group (kvrouter/routing/herding.py: ranked places, and each instance waits its rank times the delay
+before deciding); `--blind-group on,nostagger,random,off` adds the row without the wait (`...-nostagger`), the
+random-place row (`...-randomplace`) and the plain policy's (`...-herd`).
 
 Session hints: `--sessions off,soft,sticky` replays each policy once per mode, the trace's conversations as
 sessions (`kvrouter.replay.trace.conversations`), labelled `<policy>`, `<policy>+soft`, `<policy>+sticky`.
@@ -123,7 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--blind-group",
         default="on",
         help="With a share delay, decide through the blind group (kvrouter/routing/herding.py): on (ranked "
-        "places), random (random places), off; a comma list for one row each (`-randomplace`, `-herd`).",
+        "places, staggered decisions), nostagger (ranked places, no wait), random (random places), off; a comma "
+        "list for one row each (`-nostagger`, `-randomplace`, `-herd`).",
     )
     parser.add_argument(
         "--flow",
@@ -313,7 +315,8 @@ def row_label(
         return policy + queue
     delay = spread.share_delay_s
     sharing = "unshared" if delay is None else f"share{delay * 1000:g}ms"
-    herd = {"on": "", "random": "-randomplace", "off": "-herd"}[spread.blind_group] if delay else ""
+    herd = {"on": "", "nostagger": "-nostagger", "random": "-randomplace", "off": "-herd"}[spread.blind_group]
+    herd = herd if delay else ""
     return f"{policy}{queue}@k{spread.routers}-{spread.spread}-{sharing}{herd}"
 
 

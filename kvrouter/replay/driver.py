@@ -79,7 +79,9 @@ from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, ReplicaRol
 EngineFactory = Callable[[], EngineModel]
 """Builds one simulated engine; `Replay` takes one for every engine alike, or one per engine (a mixed fleet)."""
 
-_PASS_END, _DEVICE, _KV_EVENTS, _LOAD_SHARE, _SCRAPE, _DRAIN, _EXPIRE, _TRANSFER, _ARRIVAL, _PASS_START = range(10)
+_PASS_END, _DEVICE, _KV_EVENTS, _LOAD_SHARE, _SCRAPE, _DRAIN, _EXPIRE, _TRANSFER, _ARRIVAL, _PASS_START, _STAGGERED = (
+    range(11)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -471,6 +473,8 @@ class Replay:
                 self._expire()
             elif kind == _TRANSFER:
                 self._transferred(cast(tuple[_PrefillLeg, ReplicaName], payload))
+            elif kind == _STAGGERED:
+                self._route(*cast(tuple[int, int], payload))
         result = self._result
         result.records = [self._records[str(request.index)] for request in self.requests]
         result.passes = sum(engine.passes for engine in self.engines)
@@ -592,7 +596,7 @@ class Replay:
                 break
             self._records[str(self.requests[waiter.payload].index)].queued_s = waiter.waited(self.now)
             self._left_queue(waiter.flow.tenant)
-            self._route(waiter.payload)
+            self._route(waiter.payload, stagger=False)  # dispatched as capacity frees, as live: no wait
 
     def _expire(self) -> None:
         if self.queue is None:
@@ -631,7 +635,16 @@ class Replay:
         self._window_backlogged = backlogged
         self._window_service = {}
 
-    def _route(self, position: int) -> None:
+    def _route(self, position: int, number: int | None = None, *, stagger: bool = True) -> None:
+        if number is None:
+            number = self._spreader.pick()
+            group = self.instances[number].router.blind_group
+            wait = 0.0 if group is None or not stagger else group.stagger_s()
+            if wait > 0:
+                # The instance's stagger (kvrouter/routing/herding.py): it decides after the ones ranked before it.
+                group.waited(wait)
+                self._push(self.now + wait, _STAGGERED, (position, number))
+                return
         request = self.requests[position]
         prepared = self.prompts[position]
         block_size = self.catalog.block_size
@@ -641,7 +654,7 @@ class Replay:
             session=None if self.options.sessions is None else self.options.sessions.get(request.index),
             _keys={block_size: prepared.keys},
         )
-        instance = self.instances[self._spreader.pick()]
+        instance = self.instances[number]
         instance.routed += 1
         if self.planner is not None:
             self._route_pd(position, facts, instance)

@@ -9,8 +9,10 @@ routing; a rise of its pending prefill tokens reaches the other instances' polic
 (`kvrouter.routing.sharing.PeerPrefillSink`), as live. Arrivals are spread over the instances round-robin, or at
 random from `seed` (a plain load balancer). With a share delay, each instance decides through a `BlindGroup`
 (`kvrouter.routing.herding`, as a live router with shared load does) whose horizon is the delay and whose random
-source is seeded from `seed` and the instance's number, its rank the instance's number; `blind_group` `random`
-takes random places, `off` leaves the blind group out (the plain policy: the herd, for comparison).
+source is seeded from `seed` and the instance's number, its rank the instance's number, and which waits its rank
+times the delay before deciding (the stagger: a burst is decided in rank order, each instance seeing the earlier
+ones); `blind_group` `nostagger` takes ranked places without waiting, `random` takes random places (no rank, no
+wait), `off` leaves the blind group out (the plain policy: the herd, for comparison).
 
 Knobs (`RouterSpread`): `routers` (K), `spread` (`round_robin` | `random`), `seed`, `share_delay_s` (None: no
 sharing; 0: instant), `blind_group`.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from kvrouter.index import PrefixIndex
 from kvrouter.routing.feedback import FeedbackLookup
-from kvrouter.routing.herding import BlindGroupConfig
+from kvrouter.routing.herding import STAGGER_MAX_S, BlindGroupConfig
 from kvrouter.routing.lifecycle import EventListener
 from kvrouter.routing.load import LoadBook, OwnLoad
 from kvrouter.routing.router import Router
@@ -32,7 +34,7 @@ from kvrouter.routing.survival import SurvivalLookup
 from kvrouter.typedefs import BlockKey, ReplicaName
 
 SPREADS = ("round_robin", "random")
-BLIND_GROUPS = ("on", "random", "off")
+BLIND_GROUPS = ("on", "nostagger", "random", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +45,8 @@ class RouterSpread:
     share_delay_s: float | None = 0.0
     """Seconds before an instance's load change reaches the others; None: load is not shared at all."""
     blind_group: str = "on"
-    """With a share delay: decide through `kvrouter.routing.herding.BlindGroup` (`on`: ranked places, `random`:
-    random places) or not (`off`: the plain policy)."""
+    """With a share delay: decide through `kvrouter.routing.herding.BlindGroup` (`on`: ranked places and the
+    stagger, `nostagger`: ranked places without it, `random`: random places) or not (`off`: the plain policy)."""
 
     def blind_group_config(self) -> BlindGroupConfig | None:
         """What each instance's `BlindGroup` is built from; None when there is none (one router, no sharing,
@@ -52,7 +54,11 @@ class RouterSpread:
         delay = self.share_delay_s
         if self.routers == 1 or self.blind_group == "off" or delay is None or delay == 0:
             return None
-        return BlindGroupConfig(horizon_s=delay, ranked=self.blind_group == "on")
+        return BlindGroupConfig(
+            horizon_s=delay,
+            ranked=self.blind_group in ("on", "nostagger"),
+            stagger_max_s=STAGGER_MAX_S if self.blind_group == "on" else 0.0,
+        )
 
     def __post_init__(self) -> None:
         if self.routers < 1:

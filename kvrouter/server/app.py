@@ -197,7 +197,9 @@ def create_app(
             # The peers' decisions this instance cannot see yet (kvrouter/routing/herding.py). Its horizon
             # follows the plane's measured staleness (LoadShare: twice the largest recent echo); until the first
             # echo, two ticks.
-            horizon = BlindGroupConfig(horizon_s=2 * settings.load_share_interval_s)
+            horizon = BlindGroupConfig(
+                horizon_s=2 * settings.load_share_interval_s, stagger_max_s=settings.load_share_stagger_max_s
+            )
             blind_group = BlindGroup(horizon, random.Random(name))
         share = LoadShare(
             name,

@@ -378,6 +378,8 @@ class Proxy:
                     candidates = legs.decode_capable(candidates)
                 if not candidates:
                     break
+                if attempt == 0:
+                    await self._stagger()
                 began = self.clock()
                 decision = self.router.decide(facts, [replica.route for replica in candidates])
                 replica = self.replicas.by_name[decision.chosen]
@@ -484,6 +486,15 @@ class Proxy:
             decision = plan.decode
         replica = self.replicas.by_name[decision.chosen]
         return replica, self.router.commit(decision, facts, replica.route, arrival=start), parsed, raw
+
+    async def _stagger(self) -> None:
+        """With shared load, wait this instance's stagger before a first decision: the instances ranked before it
+        decided the same burst's requests first and their reports are here by then (kvrouter/routing/herding.py)."""
+        group = self.router.blind_group
+        wait = 0.0 if group is None else group.stagger_s()
+        if group is not None and wait > 0:
+            group.waited(wait)
+            await asyncio.sleep(wait)
 
     def lora_unavailable(self, lora: str, request_id: str) -> RequestError:
         """No routable replica serves the request's adapter (placement, kvrouter.routing.adapters): counted."""
