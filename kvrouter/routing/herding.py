@@ -63,7 +63,6 @@ from dataclasses import dataclass, replace
 from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
 from kvrouter.typedefs import ReplicaName
 
-
 STAGGER_MAX_S = 0.05
 """The longest wait of a staggered decision, by default (docs/scaling.md)."""
 
