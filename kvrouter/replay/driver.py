@@ -640,7 +640,7 @@ class Replay:
             number = self._spreader.pick()
             group = self.instances[number].router.blind_group
             wait = 0.0 if group is None or not stagger else group.stagger_s()
-            if wait > 0:
+            if group is not None and wait > 0:
                 # The instance's stagger (kvrouter/routing/herding.py): it decides after the ones ranked before it.
                 group.waited(wait)
                 self._push(self.now + wait, _STAGGERED, (position, number))
