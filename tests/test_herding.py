@@ -132,8 +132,10 @@ def test_the_stagger_is_the_rank_times_the_horizon_capped() -> None:
     assert group.stagger_s() == 0.0
     group.rank_among(2, 3)
     assert group.stagger_s() == pytest.approx(0.008)
-    group.retune(0.04)  # a slower plane: 80 ms, capped at the default 50
+    group.retune(0.04)  # a slower plane: 80 ms, capped at the default 50 for the last rank
     assert group.stagger_s() == pytest.approx(0.05)
+    group.rank_among(1, 3)  # the steps shrink alike: rank 1 still decides before rank 2
+    assert group.stagger_s() == pytest.approx(0.025)
     group.waited(0.05)
     assert (group.staggered, group.stagger_seconds) == (1, pytest.approx(0.05))
     for config in (BlindGroupConfig(horizon_s=0.004, stagger_max_s=0.0), BlindGroupConfig(0.004, ranked=False)):

@@ -34,8 +34,8 @@ instance of rank r waits r horizons (`stagger_s`) before deciding: the instance 
 earlier on its part of the same burst, and its report has arrived when this one decides; the one ranked after it
 waits for this one's. A burst is then decided in rank order with every earlier decision seen, and the blind group
 measures only the peers' decisions that still overlap (arrivals less than a horizon apart, not simultaneous). The
-cost is the wait, at most `stagger_max_s` (50 ms by default; 0 turns it off), paid by every request on an instance
-of rank > 0: a few milliseconds at the staleness of Redis pub/sub on one network. Measured in docs/benchmarks.md
+cost is the wait, at most `stagger_max_s` for the last rank (50 ms by default; past it the steps shrink alike; 0
+turns it off), paid by every request on an instance of rank > 0: a few milliseconds at the staleness of Redis pub/sub on one network. Measured in docs/benchmarks.md
 ("Several routers"): a held-out trace given the same one-second bursts, 3 routers at a 1-20 ms delay, TTFT p99
 from 1.07-1.41x one router's to 0.91-1.18x.
 
@@ -208,11 +208,14 @@ class BlindGroup:
 
     def stagger_s(self) -> float:
         """How long this instance waits before its next decision: its rank (from 0) times the horizon, so that a
-        burst spread over the instances is decided in rank order, each seeing the ones before it; capped at
-        `stagger_max_s`. 0 for the first instance, before the rank is known, and without ranked places."""
+        burst spread over the instances is decided in rank order, each seeing the ones before it. The last rank
+        waits at most `stagger_max_s` (past it every step shrinks alike: the order stays, the instances may see
+        less of each other). 0 for the first instance, before the rank is known, and without ranked places."""
         if self._rank is None or not self._rank:
             return 0.0
-        return min(self._rank * self.config.horizon_s, self.config.stagger_max_s)
+        # Past the cap the steps shrink alike, so the last rank waits stagger_max_s and the order still holds.
+        step = min(self.config.horizon_s, self.config.stagger_max_s / (self._instances - 1))
+        return self._rank * step
 
     def waited(self, seconds: float) -> None:
         """A decision waited `seconds` (its stagger): counted for the metrics and the replay's report."""
