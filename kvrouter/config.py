@@ -447,7 +447,7 @@ class Settings(BaseSettings):
         ge=0,
         le=1.0,
         description="With the blind group: an instance of rank r (among the live instances, by name) waits r times "
-        "the plane's staleness before deciding, so a burst spread over the instances is decided in rank order, each "
+        "the blind group's horizon (twice the measured staleness) before deciding, so a burst spread over the instances is decided in rank order, each "
         "seeing the earlier ones; the last rank waits at most this long (the steps shrink alike past it) "
         "(kvrouter/routing/herding.py, docs/scaling.md); 0: never wait.",
     )

@@ -71,7 +71,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvrouter.blocks import extend_keys, root_material
 from kvrouter.openai_request import ParsedRequest, RequestError
@@ -484,21 +484,12 @@ class HfPromptTokenizer:
                 body, self._completion_ids(request, True if add_special is None else add_special)
             )
         text = self.render(request)
-        ids: Sequence[int] | None
-        if add_special:
-            if len(text) <= self.inline_chars:
-                ids = self._encode(text, True)
-            else:
-                ids = await self._pool.run(self._encode_with_special, text)
-            return self._within_limits(body, [ids])
-        ids = self.cache.exact(text)
-        if ids is None:
-            head = self.cache.best_prefix(text) or _no_head()
-            if len(text) - len(head.text) <= self.inline_chars:
-                ids = self._tokenize_and_keep(text, head)
-            else:
-                ids = await self._pool.run(partial(self._tokenize_and_keep, text), head)
-        return self._within_limits(body, [ids])
+        work = self._chat_work(text, bool(add_special))
+        if work.encode is None:
+            return self._within_limits(body, [work.ids])
+        if work.chars <= self.inline_chars:
+            return self._within_limits(body, [work.encode(text)])
+        return self._within_limits(body, [await self._pool.run(work.encode, text)])
 
     def check(self, request: ParsedRequest) -> int:
         """The prompt's characters, once they and any token ids are within the limits (cheap: no tokenizing)."""
@@ -726,12 +717,19 @@ class HfPromptTokenizer:
 
     def _chat_ids(self, request: ParsedRequest, add_special: bool) -> Sequence[int]:
         text = self.render(request)
+        work = self._chat_work(text, add_special)
+        return work.ids if work.encode is None else work.encode(text)
+
+    def _chat_work(self, text: str, add_special: bool) -> _ChatWork:
+        """What the ids of a rendered chat prompt take: none (the render cache has them), or an encode of the whole
+        text (special tokens added) or of what follows its longest cached start (kept in the cache)."""
         if add_special:
-            return self._encode(text, True)
+            return _ChatWork((), len(text), self._encode_with_special)
         ids = self.cache.exact(text)
         if ids is not None:
-            return ids
-        return self._tokenize_and_keep(text, self.cache.best_prefix(text) or _no_head())
+            return _ChatWork(ids, 0, None)
+        head = self.cache.best_prefix(text) or _no_head()
+        return _ChatWork((), len(text) - len(head.text), partial(self._tokenize_and_keep, head=head))
 
     def _tokenize_and_keep(self, text: str, head: _Render) -> array[int]:
         """The ids of `text` from those of `head` (a known start of it), kept in the cache."""
@@ -762,6 +760,15 @@ class HfPromptTokenizer:
             head.counts + [base + position + 1 for position in positions],
             head.keys,
         )
+
+
+class _ChatWork(NamedTuple):
+    ids: Sequence[int]
+    """The ids, when nothing is left to encode."""
+    chars: int
+    """Characters `encode` tokenizes (the cached start's are not)."""
+    encode: Callable[[str], Sequence[int]] | None
+    """Called with the rendered text: its ids; None when `ids` are the answer."""
 
 
 def _no_head() -> _Render:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import shutil
@@ -50,6 +51,31 @@ def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float = 120
             pass
         time.sleep(0.1)
     raise RuntimeError(f"nothing ready at {url}")
+
+
+def load_share_summary(port: int) -> str:
+    """What an instance's load plane did, from its /metrics: staleness, and the stagger's decisions and waits."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5.0) as response:
+            text = response.read().decode()
+    except (OSError, ValueError) as error:
+        return f"no metrics ({error})"
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("kvrouter_load_share_") and not line.startswith("kvrouter_load_share_problems"):
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                values[name.removeprefix("kvrouter_load_share_")] = float(value)
+    staggered = values.get("staggered_decisions_total", 0.0)
+    waited = values.get("stagger_seconds_total", 0.0)
+    mean_ms = 1000 * waited / staggered if staggered else 0.0
+    staleness_ms = 1000 * values.get("staleness_seconds", float("nan"))
+    placeholders = values.get("blind_placeholders_total", 0.0)
+    return (
+        f"peers {values.get('peers', 0):.0f}, staleness {staleness_ms:.1f} ms, published "
+        f"{values.get('published_total', 0):.0f}, placeholders {placeholders:.0f}, staggered {staggered:.0f} "
+        f"decisions (mean wait {mean_ms:.1f} ms)"
+    )
 
 
 async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -136,6 +162,8 @@ def main() -> int:
                 await balance(args.port, ports, stop)
 
             asyncio.run(serve())
+            for port in ports:
+                print(f"router_pool: instance on {port}: {load_share_summary(port)}", file=sys.stderr, flush=True)
         finally:
             for process in reversed(processes):
                 if process.poll() is None:

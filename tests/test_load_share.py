@@ -244,6 +244,12 @@ async def test_two_routers_share_load_and_ignore_a_hostile_peer(
     assert 0 < second.stagger_seconds - waited[2] <= 0.05 + 1e-9
     text = await (await second_client.get("/metrics")).text()
     assert f"kvrouter_load_share_staggered_decisions_total {float(second.staggered)}" in text
+    probe = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
+    shown = [
+        (await (await c.post("/debug/route", json=probe)).json())["blind_group"] for c in (first_client, second_client)
+    ]
+    assert [(view["rank"], view["instances"]) for view in shown] == [(0, 2), (1, 2)]
+    assert shown[0]["stagger_s"] == 0.0 and 0 < shown[1]["stagger_s"] <= 0.05
     # a stops publishing (its plane is torn down with the app): b drops it within the expiry.
     await a.close()
     await eventually(lambda: book_b.peers() == [], within_s=5.0, what="expired")

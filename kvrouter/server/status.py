@@ -174,6 +174,18 @@ class StatusEndpoints:
             }
         sessions, clock = self.proxy.router.sessions, self.proxy.router.clock
         sources = _cost_sources(self.proxy.router.policy, decision)
+        group = self.proxy.router.blind_group
+        blind_view: dict[str, Any] | None = None
+        if group is not None:
+            # Shared load (kvrouter/routing/herding.py): this instance's place among its peers and its wait.
+            rank = group.rank
+            blind_view = {
+                "rank": None if rank is None else rank[0],
+                "instances": None if rank is None else rank[1],
+                "horizon_s": group.config.horizon_s,
+                "stagger_s": group.stagger_s(),
+                "expected_unseen": group.measured_unseen,
+            }
         legs = self.proxy.legs
         pd_view: dict[str, Any] | None = None
         if legs is not None and legs.active:
@@ -204,6 +216,7 @@ class StatusEndpoints:
                 "not_serving_adapter": sorted({r.name for r in candidates} - {r.name for r in routes}),
                 "prompt_tokens": facts.prompt_tokens,
                 "flow": flow_view,
+                "blind_group": blind_view,
                 "candidates": [
                     {
                         "replica": c.replica,
