@@ -432,7 +432,7 @@ class Replay:
         if delay == 0:
             deliver(self.instances, report, self.now)
         else:
-            self._push(self.now + delay, _LOAD_SHARE, report)
+            self._push(_microsecond(self.now + delay), _LOAD_SHARE, report)
 
     def _push(self, time: float, kind: int, payload: object) -> None:
         self._sequence += 1
@@ -643,7 +643,7 @@ class Replay:
             if group is not None and wait > 0:
                 # The instance's stagger (kvrouter/routing/herding.py): it decides after the ones ranked before it.
                 group.waited(wait)
-                self._push(self.now + wait, _STAGGERED, (position, number))
+                self._push(_microsecond(self.now + wait), _STAGGERED, (position, number))
                 return
         request = self.requests[position]
         prepared = self.prompts[position]
@@ -1022,6 +1022,12 @@ class Replay:
         self._pump()
         if self._unfinished > 0:
             self._push(self.now + self.options.scrape_interval_s, _SCRAPE, None)
+
+
+def _microsecond(time: float) -> float:
+    """`time` on a microsecond grid: a peer's report and a staggered decision due at the same instant (sums of the
+    same delays, which can differ in their last bit) then tie, and the report, its kind first, is delivered first."""
+    return round(time, 6)
 
 
 def replay_policy(
