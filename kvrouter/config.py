@@ -447,9 +447,9 @@ class Settings(BaseSettings):
         ge=0,
         le=1.0,
         description="With the blind group: an instance of rank r (among the live instances, by name) waits r times "
-        "the blind group's horizon (twice the measured staleness) before deciding, so a burst spread over the instances is decided in rank order, each "
-        "seeing the earlier ones; the last rank waits at most this long (the steps shrink alike past it) "
-        "(kvrouter/routing/herding.py, docs/scaling.md); 0: never wait.",
+        "the blind group's horizon (twice the measured staleness) before deciding, so a burst spread over the "
+        "instances is decided in rank order, each seeing the earlier ones; the last rank waits at most this long "
+        "(the steps shrink alike past it) (kvrouter/routing/herding.py, docs/scaling.md); 0: never wait.",
     )
     load_share_heartbeat_s: float = Field(
         default=0.5, gt=0, le=10.0, description="Publish a load report this often even when nothing changed."

@@ -35,9 +35,8 @@ earlier on its part of the same burst, and its report has arrived when this one 
 waits for this one's. A burst is then decided in rank order with every earlier decision seen, and the blind group
 measures only the peers' decisions that still overlap (arrivals less than a horizon apart, not simultaneous). The
 cost is the wait, at most `stagger_max_s` for the last rank (50 ms by default; past it the steps shrink alike; 0
-turns it off), paid by every request on an instance of rank > 0: a few milliseconds at the staleness of Redis pub/sub on one network. Measured in docs/benchmarks.md
-("Several routers"): a held-out trace given the same one-second bursts, 3 routers at a 1-20 ms delay, TTFT p99
-from 1.07-1.41x one router's to 0.91-1.18x.
+turns it off), paid by every request on an instance of rank > 0: a few milliseconds at the staleness of Redis
+pub/sub on one network. docs/scaling.md ("Staggered decisions") has what it gains and costs, held out and live.
 
 Neutral where there is nothing to fix: with one instance, or instant sharing (nothing is ever reported within a
 window that opened at the same instant), the group is empty and the decision is the policy's own, untouched. The
