@@ -265,8 +265,8 @@ class LoadPlaneCollector(Collector):
             )
             yield CounterMetricFamily(
                 "kvrouter_load_share_staggered_decisions",
-                "Decisions that waited this instance's stagger (its rank times the staleness, capped by "
-                "load_share_stagger_max_s) so a burst is decided in rank order.",
+                "Decisions that waited this instance's stagger (its rank times the blind group's horizon, twice "
+                "the staleness; the last rank at most load_share_stagger_max_s) so a burst is decided in rank order.",
                 value=blind.staggered,
             )
             yield CounterMetricFamily(
