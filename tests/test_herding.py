@@ -147,6 +147,18 @@ def test_the_stagger_is_the_rank_times_the_horizon_capped() -> None:
             BlindGroupConfig(horizon_s=0.01, stagger_max_s=bad)
 
 
+def test_a_staggering_instance_does_not_count_later_ranked_peers_as_blind() -> None:
+    # Ranked first of three: the others wait longer and decide after seeing this instance's decisions.
+    # Without the stagger, or with steps the cap cuts shorter than the horizon (0.03 / 2 < 0.02), they are.
+    for stagger, counted in ((0.05, 1.0), (0.0, 4.0), (0.03, 4.0)):
+        group = BlindGroup(BlindGroupConfig(horizon_s=0.02, window=4, stagger_max_s=stagger), random.Random(1))
+        group.rank_among(1, 3)
+        group.committed(NOTHING, 1000, 0.0)
+        group.peer_dispatched(1, 0.01)  # ranked before: blind to each other
+        group.peer_dispatched(3, 0.01, ranked_after=True)  # ranked after: blind only without the stagger
+        assert group.expected_unseen(0.05) == pytest.approx(counted)
+
+
 def test_the_blind_group_counts_peer_dispatches_inside_its_horizon_only() -> None:
     group = BlindGroup(BlindGroupConfig(horizon_s=0.02, window=4), random.Random(1))
     group.committed(NOTHING, 1000, 0.0)

@@ -123,7 +123,7 @@ def deliver(instances: list[RouterInstance], report: LoadReport, now: float) -> 
             rise = instance.load.fold_peer(instances[report.source].name, report.replica, report.load)
             blind_group = instance.router.blind_group
             if blind_group is not None:
-                blind_group.peer_dispatched(rise.requests, now)
+                blind_group.peer_dispatched(rise.requests, now, ranked_after=report.source > number)
             policy = instance.router.policy
             if rise.prefill_tokens and isinstance(policy, PeerPrefillSink):
                 pending = instance.load.snapshot(report.replica).pending_prefill_tokens

@@ -33,7 +33,9 @@ only an order the instances can see makes the burst's decisions sequential, as o
 instance of rank r waits r horizons (`stagger_s`) before deciding: the instance ranked before it decided a horizon
 earlier on its part of the same burst, and its report has arrived when this one decides; the one ranked after it
 waits for this one's. A burst is then decided in rank order with every earlier decision seen, and the blind group
-measures only the peers' decisions that still overlap (arrivals less than a horizon apart, not simultaneous). The
+measures only the peers' decisions that still overlap (arrivals less than a horizon apart, not simultaneous): a
+peer ranked after this instance decides after seeing it (while the steps are whole horizons), so its dispatches
+are not counted blind. The
 cost is the wait, at most `stagger_max_s` for the last rank (50 ms by default; past it the steps shrink alike; 0
 turns it off), paid by every request on an instance of rank > 0: a few milliseconds at the staleness of Redis
 pub/sub on one network. docs/scaling.md ("Staggered decisions") has what it gains and costs, held out and live.
@@ -123,11 +125,19 @@ class BlindGroup:
 
     # -- what the instance hears ---------------------------------------------------------------------------------
 
-    def peer_dispatched(self, count: int, now: float) -> None:
+    def peer_dispatched(self, count: int, now: float, *, ranked_after: bool = False) -> None:
         """Peers' reports just folded in show `count` more requests in flight (dispatches they made): each was
-        unseen by the decisions of the last `horizon_s`, and stands for one placeholder, which it retires."""
+        unseen by the decisions of the last `horizon_s`, and stands for one placeholder, which it retires.
+        `ranked_after`: the peer ranks after this instance. While the stagger's steps are whole horizons (not cut
+        by the cap), such a peer waits a horizon longer than this instance and decides after seeing its decisions:
+        its dispatches retire placeholders but are not counted blind (each instance's horizon is its own estimate,
+        so a later peer's report can land inside this one's window without having been decided blind)."""
         self._close(now)
         if count <= 0:
+            return
+        if ranked_after and self._staggers_whole_horizons():
+            for _ in range(min(count, len(self._live))):
+                self._live.popleft()
             return
         # A joining peer's first report (or a hostile one) can show many at once: no window counts more than a
         # group's cap, so one report cannot skew the estimate beyond it.
@@ -215,6 +225,13 @@ class BlindGroup:
         # Past the cap the steps shrink alike, so the last rank waits stagger_max_s and the order still holds.
         step = min(self.config.horizon_s, self.config.stagger_max_s / (self._instances - 1))
         return self._rank * step
+
+    def _staggers_whole_horizons(self) -> bool:
+        """The stagger is on and its steps are whole horizons: the cap does not cut them."""
+        config = self.config
+        if self._rank is None or config.stagger_max_s <= 0:
+            return False
+        return config.horizon_s * (self._instances - 1) <= config.stagger_max_s
 
     def waited(self, seconds: float) -> None:
         """A decision waited `seconds` (its stagger): counted for the metrics and the replay's report."""

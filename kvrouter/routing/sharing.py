@@ -250,7 +250,7 @@ class LoadShare:
                 if replica in fleet:
                     self.lookup.add_provisional(replica, _unpack_keys(prefix.keys), now)
         if self.blind_group is not None:
-            self.blind_group.peer_dispatched(dispatched, now)
+            self.blind_group.peer_dispatched(dispatched, now, ranked_after=report.instance > self.instance)
         self.reports_folded += 1
         return True
 
