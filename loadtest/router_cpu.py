@@ -429,7 +429,11 @@ def start_router(
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
     env.update(setting.split("=", 1) for setting in settings)
-    env["PYTHONPATH"] = str(tree)
+    # The tree first (its kvrouter, not the installed one), then whatever path this process was given (a host
+    # whose dependencies live in a target directory, loadtest/gpu/cores_run.sh).
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(tree), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    )
     argv = [
         sys.executable, "-m", "kvrouter.cli", "--replicas", str(config), "--host", "127.0.0.1",
         "--port", str(port), "--policy", policy, "--log-level", "warning", "--workers", str(workers),
