@@ -54,15 +54,26 @@ def exchange(instances: list[Instance], now: float) -> None:
             instance.share.receive(payload, now)
 
 
-def bursts(blind: bool, count: int = 40) -> list[list[str]]:
-    """`count` bursts: four instances route one request each at the same instant, blind to each other; their
-    reports arrive 10 ms later; each burst finishes before the next. Returns each burst's choices."""
+def bursts(blind: bool, count: int = 40, *, staggered: bool = False) -> list[list[str]]:
+    """`count` bursts: four instances route one request each at the same instant; their reports arrive 10 ms after
+    the last decision; each burst finishes before the next. Returns each burst's choices. They decide at once,
+    blind to each other; `staggered`: each first waits its stagger and hears the reports that arrived meanwhile
+    (the instance ranked r decides r horizons after the burst, having heard the ones before it)."""
     clock = Clock()
     instances = [Instance(name, clock, blind) for name in ("w", "x", "y", "z")]
+    if staggered:
+        exchange(instances, 0.0)  # every instance knows the others: ranked w, x, y, z
     seen = []
     for burst in range(count):
-        clock.now = burst * 1.0
-        routed = [instance.route_to_chosen(8000) for instance in instances]
+        start = burst * 1.0 + (1.0 if staggered else 0.0)
+        routed = []
+        for instance in instances:
+            group = instance.router.blind_group
+            clock.now = start
+            if staggered and group is not None:
+                clock.now += group.stagger_s()
+                exchange(instances, clock.now)  # the earlier instances' reports have arrived
+            routed.append(instance.route_to_chosen(8000))
         seen.append([str(request.replica) for request in routed])
         clock.now += 0.01
         exchange(instances, clock.now)
@@ -94,35 +105,9 @@ def test_with_the_blind_group_a_burst_spreads_over_the_replicas() -> None:
     assert bursts(blind=True) == spread  # seeded: the same draws, the same choices
 
 
-def staggered_bursts(count: int = 12) -> list[list[str]]:
-    """As `bursts`, but each instance waits its stagger before deciding and reports reach the others one horizon
-    after a decision: the instance ranked r decides r horizons after the burst, having heard the ones before it."""
-    clock = Clock()
-    instances = [Instance(name, clock, True) for name in ("w", "x", "y", "z")]
-    exchange(instances, 0.0)  # every instance knows the others: ranked w, x, y, z
-    seen = []
-    for burst in range(count):
-        start = 1.0 + burst * 1.0
-        routed = []
-        for instance in instances:
-            group = instance.router.blind_group
-            assert group is not None
-            clock.now = start + group.stagger_s()
-            exchange(instances, clock.now)  # the earlier instances' reports have arrived
-            routed.append(instance.route_to_chosen(8000))
-        seen.append([str(request.replica) for request in routed])
-        clock.now += HORIZON
-        exchange(instances, clock.now)
-        clock.now += 0.5
-        for request in routed:
-            request.finish(clock.now)
-        exchange(instances, clock.now)
-    return seen
-
-
 def test_staggered_instances_decide_a_burst_in_rank_order_as_one_router_would() -> None:
     # Every burst: four requests, four replicas, one each (one router deciding them in turn does the same).
-    assert all(crowding(burst) == 1 for burst in staggered_bursts())
+    assert all(crowding(burst) == 1 for burst in bursts(blind=True, count=12, staggered=True))
 
 
 def test_the_stagger_is_the_rank_times_the_horizon_capped() -> None:
