@@ -56,6 +56,30 @@ def test_stream_timer_reports_stream_errors_and_truncation() -> None:
     assert record.error == "stream ended without [DONE]"
 
 
+class _Unanswered:
+    """What Locust's HttpSession returns when the connection fails: status 0, the error kept on the response."""
+
+    status_code = 0
+    text = None
+    headers: dict[str, str] = {}
+    error = ConnectionResetError(104, "Connection reset by peer")
+
+    def __enter__(self) -> _Unanswered:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_a_request_without_an_answer_records_the_connection_error() -> None:
+    sessions = build_schedule("multi-tenant", WorkloadParams(duration_s=5, rate=1, system_tokens=50))
+    planned = sessions[0].requests[0]
+    record = RequestRecord(planned.label, "s", 0, 0.0, 0.0)
+    send(lambda path, **kwargs: _Unanswered(), Replay(Dispatcher(sessions), "fake-model", 30.0), planned, record)
+    assert record.status == 0
+    assert record.error == "HTTP 0: ConnectionResetError(104, 'Connection reset by peer')"
+
+
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app)
     await runner.setup()

@@ -166,7 +166,10 @@ def send(
             headers = getattr(response, "headers", None) or {}
             record.replica = headers.get(REPLICA_HEADER)
             if record.status != 200:
-                record.error = f"HTTP {record.status}: {_short(getattr(response, 'text', '') or '')}"
+                # Status 0: no answer at all; Locust keeps the connection error on the response, not in its text.
+                failure = getattr(response, "error", None) if record.status == 0 else None
+                detail = repr(failure) if failure is not None else getattr(response, "text", "") or ""
+                record.error = f"HTTP {record.status}: {_short(detail)}"
                 _mark_failure(response, record.error)
             else:
                 raw = response.raw
