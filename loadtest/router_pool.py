@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import os
 import shutil
@@ -27,6 +26,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,12 +61,13 @@ def load_share_summary(port: int) -> str:
             text = response.read().decode()
     except (OSError, ValueError) as error:
         return f"no metrics ({error})"
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("kvrouter_load_share_") and not line.startswith("kvrouter_load_share_problems"):
-            name, _, value = line.rpartition(" ")
-            with contextlib.suppress(ValueError):
-                values[name.removeprefix("kvrouter_load_share_")] = float(value)
+    values = {
+        sample.name.removeprefix("kvrouter_load_share_"): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("kvrouter_load_share_")
+        for sample in family.samples
+        if not sample.labels
+    }
     staggered = values.get("staggered_decisions_total", 0.0)
     waited = values.get("stagger_seconds_total", 0.0)
     mean_ms = 1000 * waited / staggered if staggered else 0.0

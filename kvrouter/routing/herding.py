@@ -220,7 +220,7 @@ class BlindGroup:
         burst spread over the instances is decided in rank order, each seeing the ones before it. The last rank
         waits at most `stagger_max_s` (past it every step shrinks alike: the order stays, the instances may see
         less of each other). 0 for the first instance, before the rank is known, and without ranked places."""
-        if self._rank is None or not self._rank:
+        if not self._rank:  # unknown (None), or the first
             return 0.0
         # Past the cap the steps shrink alike, so the last rank waits stagger_max_s and the order still holds.
         step = min(self.config.horizon_s, self.config.stagger_max_s / (self._instances - 1))
