@@ -4,7 +4,10 @@ Starts a redis-server (no persistence, a free port), `kvrouter relay` (the repli
 `--routers` kvrouter instances in Redis mode (so they share the index and, unless `--no-share`, their load), and
 a plain TCP balancer on `--port` that hands each new client connection to the next instance in turn. Locust users
 keep their connection, so sessions spread over the instances as behind a connection-level load balancer.
-SIGTERM or SIGINT stops every process it started, by PID.
+SIGTERM or SIGINT stops every process it started, by PID. With `--samples FILE`, every `--sample-every` seconds
+each instance's view of the fleet (`/debug/route` for a one-token prompt: per replica the load it counts, its own
+and its peers', the queued prefill it estimates and the costs it prices with) is appended to FILE as one JSON line,
+so a row whose requests piled on one replica shows which instance saw what.
 
     kvrouter bench --workload multi-tenant --policies '' \\
       --router-cmd "k1=python loadtest/router_pool.py --port {port} --replicas {replicas_file} --routers 1" \\
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -73,11 +78,63 @@ def load_share_summary(port: int) -> str:
     mean_ms = 1000 * waited / staggered if staggered else 0.0
     staleness_ms = 1000 * values.get("staleness_seconds", float("nan"))
     placeholders = values.get("blind_placeholders_total", 0.0)
+    problems = {
+        sample.labels["reason"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "kvrouter_load_share_problems"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    refused = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(problems.items()) if count) or "none"
     return (
         f"peers {values.get('peers', 0):.0f}, staleness {staleness_ms:.1f} ms, published "
         f"{values.get('published_total', 0):.0f}, placeholders {placeholders:.0f}, staggered {staggered:.0f} "
-        f"decisions (mean wait {mean_ms:.1f} ms)"
+        f"decisions (mean wait {mean_ms:.1f} ms), peers expired {values.get('expired_total', 0):.0f}, session "
+        f"errors {values.get('session_errors_total', 0):.0f}, reports refused: {refused}"
     )
+
+
+SAMPLED = (
+    "in_flight", "pending_prefill_tokens", "peer_pending_prefill_tokens", "queued_prefill_tokens",
+    "decode_requests", "ttft_estimate_s", "prefill_tokens_per_s", "pass_fixed_s", "decode_s_per_request",
+    "calibration_samples", "blind_group_ahead", "blind_placeholder_tokens",
+)  # fmt: skip
+"""What a sample keeps of each candidate of `/debug/route` (kv_aware's breakdown; the load includes the blind
+group's placeholders for peers' unseen requests, `blind_placeholder_tokens` of it on that replica)."""
+
+
+def view_of(port: int, model: str) -> dict[str, object]:
+    """One instance's view of the fleet now: what `/debug/route` says of each replica for a one-token prompt."""
+    body = json.dumps({"model": model, "prompt": [1], "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/debug/route", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5.0) as response:
+            route = json.loads(response.read())
+    except (OSError, ValueError) as error:
+        return {"error": str(error)}
+    candidates = {c["replica"]: {key: c[key] for key in SAMPLED if key in c} for c in route.get("candidates", [])}
+    return {"chosen": route.get("chosen"), "blind_group": route.get("blind_group"), "replicas": candidates}
+
+
+async def sample(ports: list[int], model: str, path: Path, every_s: float, stop: asyncio.Event) -> None:
+    """Append every instance's view to `path` every `every_s` seconds until `stop`."""
+    with path.open("a") as out:
+        while not stop.is_set():
+            at = time.time()
+            views = await asyncio.gather(*(asyncio.to_thread(view_of, port, model) for port in ports))
+            for index, view in enumerate(views):
+                out.write(json.dumps({"t": round(at, 3), "instance": index, **view}) + "\n")
+            out.flush()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=every_s)
+
+
+def served_model(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5.0) as response:
+        models = json.loads(response.read())
+    return str(models["data"][0]["id"])
 
 
 async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -118,6 +175,8 @@ def main() -> int:
     parser.add_argument("--routers", type=int, default=3)
     parser.add_argument("--policy", default="kv_aware")
     parser.add_argument("--no-share", action="store_true", help="Routers do not share load (KVROUTER_LOAD_SHARE).")
+    parser.add_argument("--samples", type=Path, help="Append each instance's view of the fleet here (JSON lines).")
+    parser.add_argument("--sample-every", type=float, default=5.0, help="Seconds between samples (--samples).")
     args = parser.parse_args()
     redis = shutil.which("redis-server")
     if redis is None:
@@ -161,7 +220,10 @@ def main() -> int:
                 loop = asyncio.get_running_loop()
                 for signum in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(signum, stop.set)
-                await balance(args.port, ports, stop)
+                tasks = [balance(args.port, ports, stop)]
+                if args.samples is not None:
+                    tasks.append(sample(ports, served_model(ports[0]), args.samples, args.sample_every, stop))
+                await asyncio.gather(*tasks)
 
             asyncio.run(serve())
             for port in ports:
