@@ -158,3 +158,36 @@ def test_the_fleet_pooled_fit_comes_first() -> None:
     assert calibrator.costs(replicas[3], weight=2.0).prefill_tokens_per_s == pytest.approx(
         2 * plain.prefill_tokens_per_s
     )
+
+
+def test_a_peers_observations_fit_as_its_own_and_leave_with_it() -> None:
+    """Instances of one fleet fit each other's observations (kvrouter/routing/sharing.py); a peer that goes away
+    takes its observations out of every fit it was part of."""
+    rng = random.Random(7)
+    mine = [observe(TRUE, rng, noise=0.05) for _ in range(40)]
+    slow = replace(TRUE, prefill_tokens_per_s=TRUE.prefill_tokens_per_s / 4)
+    lies = [observe(slow, rng, noise=0.05) for _ in range(200)]  # a peer that saw it 4x slower (or lies)
+    shared_fit = CostCalibrator(ReplicaCosts(10_000.0, 0.01, 0.0005))
+    alone = CostCalibrator(ReplicaCosts(10_000.0, 0.01, 0.0005))
+    for observation in mine:
+        shared_fit.observe(A, observation)
+        alone.observe(A, observation)
+    for observation in lies:
+        shared_fit.observe(A, observation, source="peer-x")
+    skewed = shared_fit.costs(A)
+    assert skewed.samples > 200 and skewed.prefill_tokens_per_s < 0.5 * TRUE.prefill_tokens_per_s
+    shared_fit.forget_source("peer-x")
+    back = shared_fit.costs(A)
+    assert back.source == "fit" and back.samples == 40
+    assert back.prefill_tokens_per_s == pytest.approx(TRUE.prefill_tokens_per_s, rel=0.1)
+    # What is left is the instance's own history: the fit it would have had without the peer.
+    assert back.prefill_tokens_per_s == pytest.approx(alone.costs(A).prefill_tokens_per_s, rel=0.02)
+    # Under min_samples after the peer left: the replica borrows again (here: the start), until it has its own.
+    few = CostCalibrator(ReplicaCosts(10_000.0, 0.01, 0.0005))
+    for observation in lies[:30]:
+        few.observe(B, observation, source="peer-x")
+    few.observe(B, mine[0])
+    assert few.costs(B).source == "fit"
+    few.forget_source("peer-x")
+    assert few.costs(B).source in ("start", "fleet") and few.costs(B).samples == 0
+    few.forget_source("nobody")  # nothing of it: a no-op

@@ -19,15 +19,21 @@ from kvrouter.config import load_fleet
 from kvrouter.index import PrefixIndex
 from kvrouter.redisplane.loadplane import CHANNEL, load_plane_client
 from kvrouter.routing.load import LoadBook
+from kvrouter.policies.base import Candidate, ReplicaLoad, RouteRequest
+from kvrouter.policies.kv_aware import KvAwarePolicy
+from kvrouter.routing.calibration import Observation, SharedObservation
 from kvrouter.routing.sharing import (
+    CostSample,
     LoadReport,
     LoadShare,
+    PeerCalibrationSink,
     PeerPrefillSink,
     ReplicaCounts,
     RoutedPrefix,
     ShareLimits,
 )
 from kvrouter.server.app import LOAD, ROUTER, create_app
+from kvrouter.tinymodel import ensure_tokenizer
 from kvrouter.typedefs import BlockKey, ReplicaName
 from tests.conftest import ReplicaFactory, eventually, router_settings
 from tests.redis_fixtures import RedisServer, redis_server  # noqa: F401  (fixture)
@@ -165,6 +171,94 @@ def test_a_silent_peer_expires_and_a_live_one_stays() -> None:
     assert y.peers() == ["w"] and y.expired == 1
 
 
+def calibrating(name: str) -> tuple[LoadShare, KvAwarePolicy]:
+    policy = KvAwarePolicy()
+    return LoadShare(name, LoadBook(), lambda: FLEET, calibration=policy), policy
+
+
+def routed_and_answered(policy: KvAwarePolicy, replica: ReplicaName, prompt: int, ttft_s: float) -> None:
+    """kv_aware routes one request of `prompt` uncached tokens to `replica` and hears its first token."""
+    load = ReplicaLoad()
+    decision = policy.select(RouteRequest(prompt_tokens=prompt), [Candidate(replica, 0, load)])
+    policy.first_token(decision, ttft_s, prompt)
+
+
+def test_calibration_samples_travel_with_the_reports_and_leave_with_the_peer() -> None:
+    """Each instance fits the fleet's observations: what x measured reaches y's calibrator with the next report,
+    and leaves it when x's reports stop."""
+    x, policy_x = calibrating("x")
+    y, policy_y = calibrating("y")
+    assert isinstance(policy_x, PeerCalibrationSink)
+    for number in range(30):  # 30 requests on a: 20k tokens/s plus a 10 ms pass
+        prompt = 2_000 + 400 * number
+        routed_and_answered(policy_x, A, prompt, prompt / 20_000 + 0.01)
+    assert policy_x.calibration is not None and policy_y.calibration is not None
+    own = policy_x.calibration.costs(A)
+    assert own.source == "fit" and own.prefill_tokens_per_s == pytest.approx(20_000, rel=0.1)
+    assert y.receive(x.report(), 0.0)
+    heard = policy_y.calibration.costs(A)
+    assert heard.source == "fit" and heard.prefill_tokens_per_s == pytest.approx(own.prefill_tokens_per_s, rel=1e-9)
+    assert policy_y.calibration.costs(B).source == "peers"  # b borrows a's fit, as for y's own
+    assert decode_report(x.report()).samples == []  # each observation travels once
+    assert y.expire(10.0) == ["x"]
+    assert policy_y.calibration.costs(A).source == "start"  # nothing of x's is left
+
+
+def decode_report(payload: bytes) -> LoadReport:
+    return msgspec.msgpack.decode(payload, type=LoadReport)
+
+
+def sample(**values: float) -> CostSample:
+    fields = {"work_tokens": 4_000.0, "short": 0.5, "passes": 1.0, "decoding": 2.0, "ttft_s": 0.2, "weight": 1.0}
+    return CostSample("a", **{**fields, **values})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        sample(ttft_s=float("nan")),
+        sample(work_tokens=float("inf")),
+        sample(ttft_s=-0.1),
+        sample(ttft_s=1e9),
+        sample(short=1.5),
+        sample(passes=0.0),
+        sample(decoding=-1.0),
+        sample(weight=0.0),
+        sample(work_tokens=-5.0),
+    ],
+)
+def test_bad_calibration_samples_refuse_the_whole_report(bad: CostSample) -> None:
+    y, policy = calibrating("y")
+    report = LoadReport(1, "x", 1, [ReplicaCounts("a", 1, 100, 0)], [], [sample()] * 30 + [bad])
+    assert not y.receive(msgspec.msgpack.encode(report), 0.0)
+    assert y.problems == {"bad_sample": 1}
+    assert view(y.load, A) == (0, 0, 0)
+    assert policy.calibration is not None and policy.calibration.costs(A).source == "start"
+
+
+def test_samples_on_unknown_replicas_are_skipped_and_old_reports_have_none() -> None:
+    y, policy = calibrating("y")
+    report = LoadReport(1, "x", 1, [ReplicaCounts("a", 0, 0, 0)], [], [sample(), CostSample("zz", *[1.0] * 6)])
+    assert y.receive(msgspec.msgpack.encode(report), 0.0)
+    assert y.problems == {"unknown_replica": 1}
+    assert policy.calibration is not None and list(policy.calibration.replicas()) == [A]
+    # A report from before the samples field (an older peer): decoded, folded, no samples.
+    assert y.receive(msgspec.msgpack.encode([1, "w", 1, [["a", 2, 50, 0]], []]), 0.1)
+    assert view(y.load, A) == (2, 50, 0)
+
+
+def test_a_datagram_too_small_for_every_sample_keeps_the_counts_and_the_newest_samples() -> None:
+    x, policy = calibrating("x")
+    shared = [SharedObservation(A, Observation(float(n), 0.0, 1.0, 0.0, 0.1)) for n in range(1, 201)]
+    assert policy.shared_observations is not None
+    policy.shared_observations.extend(shared)
+    x.load.begin(A, 5)
+    payload = x.report(max_bytes=2_000)
+    report = decode_report(payload)
+    assert len(payload) <= 2_000 and report.replicas == [ReplicaCounts("a", 1, 5, 0)]
+    assert 0 < len(report.samples) < 200 and report.samples[-1].work_tokens == 200.0
+
+
 # -- the Redis load plane between two real routers ---------------------------------------------------------------
 
 
@@ -253,6 +347,44 @@ async def test_two_routers_share_load_and_ignore_a_hostile_peer(
     # a stops publishing (its plane is torn down with the app): b drops it within the expiry.
     await a.close()
     await eventually(lambda: book_b.peers() == [], within_s=5.0, what="expired")
+
+
+@pytest.mark.redis
+async def test_two_kv_aware_routers_fit_each_others_observations(
+    aiohttp_client: Any,
+    tmp_path: Path,
+    fake_replicas: ReplicaFactory,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """Through real Redis: the first tokens one router hears are calibration observations the other fits too; they
+    leave its fits when the first router's reports stop."""
+    replicas = await fake_replicas(2)
+    path = tmp_path / "replicas.yaml"
+    fleet = {
+        "tokenizer": str(ensure_tokenizer(tmp_path / "tok")),
+        "replicas": [{"name": r.name, "url": r.url} for r in replicas],
+    }
+    path.write_text(yaml.safe_dump(fleet), "utf-8")
+    clients = []
+    for _ in range(2):
+        settings_ = router_settings(
+            replicas=path, redis_url=redis_server.url, load_share_expiry_s=1.0, policy="kv_aware"
+        )
+        clients.append(await aiohttp_client(create_app(settings_, load_fleet(path), registry=CollectorRegistry())))
+    a, b = clients
+    calibration_a = a.app[ROUTER].policy.calibration
+    calibration_b = b.app[ROUTER].policy.calibration
+    await eventually(lambda: b.app[LOAD].peers() != [], what="a heard")
+    (peer_a,) = b.app[LOAD].peers()
+    for number in range(3):
+        body = {"model": "fake-model", "prompt": f"request {number}", "max_tokens": 2}
+        assert (await a.post("/v1/completions", json=body)).status == 200
+    assert calibration_a.held_from(None) == 3 and calibration_b.held_from(None) == 0
+    await eventually(lambda: calibration_b.held_from(peer_a) == 3, what="observations shared")
+    assert calibration_a.held_from(peer_a) == 0  # its own echo is not fitted twice
+    await a.close()
+    await eventually(lambda: b.app[LOAD].peers() == [], within_s=5.0, what="expired")
+    assert calibration_b.held_from(peer_a) == 0  # a's observations left with it
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrouter.policies.base import Candidate, CandidateScore, Decision, ReplicaLoad, RouteRequest
-from kvrouter.routing.calibration import CostCalibrator, Observation, ReplicaCosts
+from kvrouter.routing.calibration import CostCalibrator, Observation, ReplicaCosts, SharedObservation
 from kvrouter.routing.tuning import WeightTuner
 from kvrouter.typedefs import ReplicaName
 
@@ -198,6 +198,9 @@ class KvAwarePolicy:
         self.tuner = WeightTuner(1.0 if config.cache_weight is None else config.cache_weight) if config.tune else None
         self._reused = 0.0
         self._computed = 0.0
+        self.shared_observations: deque[SharedObservation] | None = None
+        """With shared load: the calibration observations made since the load share last took them (bounded: the
+        newest `window`), for the peers' calibrators. None (the default): nobody takes them."""
 
     @classmethod
     def from_settings(cls, settings: Any, *, clock: Callable[[], float] = time.monotonic) -> KvAwarePolicy:
@@ -399,7 +402,38 @@ class KvAwarePolicy:
             observation = Observation(
                 work, max(0.0, 1.0 - work / batch), max(1.0, work / batch), breakdown["decode_requests"], ttft_s
             )
-            self.calibration.observe(decision.chosen, observation, breakdown.get("weight", 1.0))
+            weight = breakdown.get("weight", 1.0)
+            self.calibration.observe(decision.chosen, observation, weight)
+            if self.shared_observations is not None:
+                self.shared_observations.append(SharedObservation(decision.chosen, observation, weight))
+
+    # -- PeerCalibrationSink (kvrouter/routing/sharing.py): the router instances of one fleet fit one history ----
+
+    def share_observations(self) -> None:
+        """Start keeping this instance's calibration observations for the peers (`take_observations`)."""
+        if self.calibration is not None and self.shared_observations is None:
+            self.shared_observations = deque(maxlen=self.calibration.config.window)
+
+    def take_observations(self) -> list[SharedObservation]:
+        """The observations made since the last call (they go into the next load report)."""
+        taken = self.shared_observations
+        if not taken:
+            return []
+        observations = list(taken)
+        taken.clear()
+        return observations
+
+    def peer_observations(self, peer: str, observations: Sequence[SharedObservation]) -> None:
+        """A peer instance's observations (checked by the load share): fitted as this instance's own are."""
+        if self.calibration is None:
+            return
+        for shared in observations:
+            self.calibration.observe(shared.replica, shared.observation, shared.weight, source=peer)
+
+    def forget_peer(self, peer: str) -> None:
+        """The peer's reports stopped: its observations leave the fits."""
+        if self.calibration is not None:
+            self.calibration.forget_source(peer)
 
     def record(self, decision: Decision) -> None:
         self._turn += 1

@@ -11,7 +11,9 @@ each policy through four router instances, once per sharing setting (`off`: each
 row each, labelled `<policy>@k4-share<ms>` or `<policy>@k4-unshared`; with a delay each instance decides through
 its blind group (kvrouter/routing/herding.py: ranked places, and each instance waits its rank times the delay
 before deciding); `--blind-group on,nostagger,random,off` adds the row without the wait (`...-nostagger`), the
-random-place row (`...-randomplace`) and the plain policy's (`...-herd`).
+random-place row (`...-randomplace`) and the plain policy's (`...-herd`). With shared load the instances also hand
+each other their calibration observations, as live; `--share-calibration on,off` adds the row where each fits only
+what it routed (`...-owncalib`).
 
 Session hints: `--sessions off,soft,sticky` replays each policy once per mode, the trace's conversations as
 sessions (`kvrouter.replay.trace.conversations`), labelled `<policy>`, `<policy>+soft`, `<policy>+sticky`.
@@ -128,6 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "list for one row each (`-nostagger`, `-randomplace`, `-herd`).",
     )
     parser.add_argument(
+        "--share-calibration",
+        default="on",
+        help="With shared load, the instances fit each other's calibration observations (on, as live) or only their "
+        "own (off); on,off for one row each (`-owncalib`).",
+    )
+    parser.add_argument(
         "--flow",
         default="off",
         help="The router queue (docs/flow-control.md): off, on, or off,on for one row each (`<policy>+queue`).",
@@ -241,6 +249,15 @@ def blind_groups(text: str) -> list[str]:
     return items
 
 
+def switches(text: str, flag: str) -> list[bool]:
+    """`on,off` -> [True, False]."""
+    values = {"on": True, "off": False}
+    items = [item.strip().lower() for item in text.split(",") if item.strip()]
+    if not items or any(item not in values for item in items):
+        raise ConfigError(f"{flag}: expected on, off or on,off, got {text!r}")
+    return [values[item] for item in items]
+
+
 def share_delays(text: str) -> list[float | None]:
     """`off,0,10,50` -> [None, 0.0, 0.01, 0.05] (seconds; None: load not shared)."""
     delays: list[float | None] = []
@@ -317,7 +334,8 @@ def row_label(
     sharing = "unshared" if delay is None else f"share{delay * 1000:g}ms"
     herd = {"on": "", "nostagger": "-nostagger", "random": "-randomplace", "off": "-herd"}[spread.blind_group]
     herd = herd if delay else ""
-    return f"{policy}{queue}@k{spread.routers}-{spread.spread}-{sharing}{herd}"
+    own = "" if spread.share_calibration or delay is None else "-owncalib"
+    return f"{policy}{queue}@k{spread.routers}-{spread.spread}-{sharing}{herd}{own}"
 
 
 Job = Callable[[], tuple[ReplayResult, float]]
@@ -359,10 +377,19 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--replicas must be at least 1 and --speedup positive")
         sharing = share_delays(args.share_delay_ms)
         blind = blind_groups(args.blind_group)
+        calibrations = switches(args.share_calibration, "--share-calibration")
         spreads = [
-            RouterSpread(routers=args.routers, spread=args.spread, seed=args.seed, share_delay_s=delay, blind_group=on)
+            RouterSpread(
+                routers=args.routers,
+                spread=args.spread,
+                seed=args.seed,
+                share_delay_s=delay,
+                blind_group=on,
+                share_calibration=calibrate,
+            )
             for delay in (sharing if args.routers > 1 else [0.0])
             for on in (blind if delay else ["on"])
+            for calibrate in (calibrations if args.routers > 1 and delay is not None else [True])
         ]
         profile = get_profile(args.profile)
         speeds = _speeds(args.speeds, args.replicas)
@@ -482,6 +509,7 @@ def run(args: argparse.Namespace) -> int:
             "spread": args.spread,
             "share_delay_ms": args.share_delay_ms,
             "blind_group": args.blind_group,
+            "share_calibration": args.share_calibration,
         },
         "flow": {"rows": args.flow, "overrides": args.flow_overrides},
         "tenancy": dataclasses.asdict(tenancy),

@@ -70,6 +70,7 @@ from kvrouter.routing.overlays import build_overlays
 from kvrouter.routing.replication import HotPrefixReplicator, PrefixHeat
 from kvrouter.routing.router import Route, Router, RoutingFacts
 from kvrouter.routing.sessions import SessionTable
+from kvrouter.routing.sharing import PeerCalibrationSink
 from kvrouter.routing.survival import SurvivalLookup
 from kvrouter.sim.device import DeviceSharing, SharedDevice
 from kvrouter.sim.model import CacheCleared, EngineModel, EngineRequest, KvEvent, RemovedBlocks, StepResult
@@ -404,7 +405,11 @@ class Replay:
             sessions = SessionTable(
                 mode=options.session_mode, max_sessions=options.session_max, ttl_s=options.session_ttl_s
             )
-        blind = options.routers.blind_group_config()
+        spread = options.routers
+        shares = spread.routers > 1 and spread.share_delay_s is not None and spread.share_calibration
+        if shares and isinstance(policy, PeerCalibrationSink):
+            policy.share_observations()  # its reports carry its calibration observations (routers.py)
+        blind = spread.blind_group_config()
         group = None
         if blind is not None:
             group = BlindGroup(blind, random.Random(f"{options.routers.seed}/{number}"))
@@ -428,7 +433,11 @@ class Replay:
         delay = self.options.routers.share_delay_s
         if delay is None or len(self.instances) == 1:
             return
-        report = LoadReport(self.instances.index(instance), replica, instance.load.own()[replica], tuple(keys))
+        policy = instance.router.policy
+        observations = tuple(policy.take_observations()) if isinstance(policy, PeerCalibrationSink) else ()
+        report = LoadReport(
+            self.instances.index(instance), replica, instance.load.own()[replica], tuple(keys), observations
+        )
         if delay == 0:
             deliver(self.instances, report, self.now)
         else:

@@ -12,10 +12,13 @@ random from `seed` (a plain load balancer). With a share delay, each instance de
 source is seeded from `seed` and the instance's number, its rank the instance's number, and which waits its rank
 times the delay before deciding (the stagger: a burst is decided in rank order, each instance seeing the earlier
 ones); `blind_group` `nostagger` takes ranked places without waiting, `random` takes random places (no rank, no
-wait), `off` leaves the blind group out (the plain policy: the herd, for comparison).
+wait), `off` leaves the blind group out (the plain policy: the herd, for comparison). With shared load, each
+report also carries the calibration observations its instance made since the last one, which the others' policies
+fit beside their own (`kvrouter.routing.sharing.PeerCalibrationSink`, as live; `share_calibration` off: each
+instance fits only what it routed).
 
 Knobs (`RouterSpread`): `routers` (K), `spread` (`round_robin` | `random`), `seed`, `share_delay_s` (None: no
-sharing; 0: instant), `blind_group`.
+sharing; 0: instant), `blind_group`, `share_calibration`.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import random
 from dataclasses import dataclass
 
 from kvrouter.index import PrefixIndex
+from kvrouter.routing.calibration import SharedObservation
 from kvrouter.routing.feedback import FeedbackLookup
 from kvrouter.routing.herding import STAGGER_MAX_S, BlindGroupConfig
 from kvrouter.routing.lifecycle import EventListener
 from kvrouter.routing.load import LoadBook, OwnLoad
 from kvrouter.routing.router import Router
-from kvrouter.routing.sharing import PeerPrefillSink
+from kvrouter.routing.sharing import PeerCalibrationSink, PeerPrefillSink
 from kvrouter.routing.survival import SurvivalLookup
 from kvrouter.typedefs import BlockKey, ReplicaName
 
@@ -47,6 +51,8 @@ class RouterSpread:
     blind_group: str = "on"
     """With a share delay: decide through `kvrouter.routing.herding.BlindGroup` (`on`: ranked places and the
     stagger, `nostagger`: ranked places without it, `random`: random places) or not (`off`: the plain policy)."""
+    share_calibration: bool = True
+    """With shared load: the instances hand each other their calibration observations (as live)."""
 
     def blind_group_config(self) -> BlindGroupConfig | None:
         """What each instance's `BlindGroup` is built from; None when there is none (one router, no sharing,
@@ -94,6 +100,7 @@ class LoadReport:
     replica: ReplicaName
     load: OwnLoad | None = None
     keys: tuple[BlockKey, ...] = ()
+    observations: tuple[SharedObservation, ...] = ()
 
 
 class Spreader:
@@ -130,6 +137,8 @@ def deliver(instances: list[RouterInstance], report: LoadReport, now: float) -> 
                 policy.peer_prefill(report.replica, rise.prefill_tokens, pending, now)
         if report.keys and instance.router.index is not None:
             instance.router.index.add_provisional(report.replica, report.keys, now)
+        if report.observations and isinstance(instance.router.policy, PeerCalibrationSink):
+            instance.router.policy.peer_observations(instances[report.source].name, report.observations)
 
 
 __all__ = ["BLIND_GROUPS", "SPREADS", "LoadReport", "RouterInstance", "RouterSpread", "Spreader", "deliver"]

@@ -42,6 +42,11 @@ first fit's prior through those values. No pass duration is exported, so the pas
 engine source. Every `ReplicaCosts` names where its values came from (`source`, `rate_source`: fit, peers, fleet,
 start, engine).
 
+Several router instances in front of one fleet (kvrouter/routing/sharing.py) each see a share of the requests:
+they hand each other their observations, which `observe` takes with the peer's name as `source`, so every
+instance fits the fleet's whole history as one router would. `forget_source` drops a peer's observations when its
+reports stop (and refits what they were part of), so a peer that vanished, or lied, shapes no estimate after it.
+
 Pure and synchronous; no clock (observations carry their TTFT). Knobs (`CalibrationConfig`): `window` [256],
 `min_samples` [24], `refit_every` [16], `prior_samples` [1], `iterations` [10].
 
@@ -126,6 +131,16 @@ class Observation:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedObservation:
+    """One observation as a router instance hands it to its peers (kvrouter/routing/sharing.py): the replica it
+    was made on and that replica's replicas.yaml weight with it."""
+
+    replica: ReplicaName
+    observation: Observation
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class CalibrationConfig:
     window: int = 256
     min_samples: int = 24
@@ -143,6 +158,8 @@ class CalibrationConfig:
 @dataclass(slots=True)
 class _Replica:
     observations: deque[Observation]
+    sources: deque[str | None]
+    """Beside each observation, the peer instance it came from (None: this instance's own)."""
     costs: ReplicaCosts | None = None
     """The last accepted fit; None until there is one."""
     since_fit: int = 0
@@ -213,30 +230,73 @@ class CostCalibrator:
     def replicas(self) -> list[ReplicaName]:
         return list(self._replicas)
 
-    def observe(self, replica: ReplicaName, observation: Observation, weight: float = 1.0) -> None:
+    def observe(
+        self, replica: ReplicaName, observation: Observation, weight: float = 1.0, source: str | None = None
+    ) -> None:
+        """One request's observation on `replica`: this instance's own (`source` None) or a peer instance's."""
         if not (math.isfinite(observation.ttft_s) and observation.ttft_s >= 0 and observation.passes > 0):
             return
         if weight <= 0 or not math.isfinite(weight):
             weight = 1.0
         state = self._replicas.get(replica)
         if state is None:
-            state = self._replicas[replica] = _Replica(deque(maxlen=self.config.window))
+            state = self._replicas[replica] = self._empty()
         state.weight = weight
-        self._add(state, observation, lambda: self.costs(replica, weight))
+        self._add(state, observation, source, lambda: self.costs(replica, weight))
         if not any(other.costs is not None for other in self._replicas.values()):
             # Until one replica has its own fit, the fleet's pooled observations give the first estimate sooner.
             fleet = self._fleet
             if fleet is None:
-                fleet = self._fleet = _Replica(deque(maxlen=self.config.window))
+                fleet = self._fleet = self._empty()
             per_weight = replace(observation, work_tokens=observation.work_tokens / weight)
-            self._add(fleet, per_weight, lambda: self._fleet_prior())
+            self._add(fleet, per_weight, source, lambda: self._fleet_prior())
+
+    def held_from(self, source: str | None) -> int:
+        """Observations in the replicas' windows that came from `source` (None: this instance's own)."""
+        return sum(state.sources.count(source) for state in self._replicas.values())
+
+    def forget_source(self, source: str) -> None:
+        """Drop every observation a peer instance handed over (its reports stopped): each window it was part of
+        is refitted on what remains, or goes back to borrowing while that is under `min_samples`."""
+        states = list(self._replicas.items())
+        for replica, state in states:
+            if source in state.sources:
+                self._drop(state, source, self._refit_prior(replica))
+        fleet = self._fleet
+        if fleet is not None and source in fleet.sources:
+            self._drop(fleet, source, self.start)
+
+    def _refit_prior(self, replica: ReplicaName) -> ReplicaCosts:
+        state = self._replicas[replica]
+        state.costs = None  # the fit without the peer's observations is pulled toward the others', not its own
+        return self.costs(replica, state.weight)
+
+    def _drop(self, state: _Replica, source: str, prior: ReplicaCosts) -> None:
+        kept = [(o, s) for o, s in zip(state.observations, state.sources, strict=True) if s != source]
+        state.seen -= len(state.observations) - len(kept)
+        state.observations = deque((o for o, _ in kept), maxlen=self.config.window)
+        state.sources = deque((s for _, s in kept), maxlen=self.config.window)
+        state.costs = None
+        state.since_fit = 0
+        if len(state.observations) >= self.config.min_samples:
+            fitted = fit_costs(state.observations, prior, self.config)
+            if fitted is None:
+                self.rejected_fits += 1
+            else:
+                state.costs = self._fitted(fitted, state.seen)
+
+    def _empty(self) -> _Replica:
+        return _Replica(deque(maxlen=self.config.window), deque(maxlen=self.config.window))
 
     def _fleet_prior(self) -> ReplicaCosts:
         fleet = self._fleet
         return fleet.costs if fleet is not None and fleet.costs is not None else self.start
 
-    def _add(self, state: _Replica, observation: Observation, prior: Callable[[], ReplicaCosts]) -> None:
+    def _add(
+        self, state: _Replica, observation: Observation, source: str | None, prior: Callable[[], ReplicaCosts]
+    ) -> None:
         state.observations.append(observation)
+        state.sources.append(source)
         state.seen += 1
         state.since_fit += 1
         if len(state.observations) >= self.config.min_samples and (
@@ -247,14 +307,18 @@ class CostCalibrator:
             if fitted is None:
                 self.rejected_fits += 1
             else:
-                state.costs = ReplicaCosts(
-                    fitted.prefill_tokens_per_s,
-                    fitted.pass_s,
-                    fitted.decode_s_per_request,
-                    state.seen,
-                    source="fit",
-                    rate_source="fit",
-                )
+                state.costs = self._fitted(fitted, state.seen)
+
+    @staticmethod
+    def _fitted(fitted: ReplicaCosts, seen: int) -> ReplicaCosts:
+        return ReplicaCosts(
+            fitted.prefill_tokens_per_s,
+            fitted.pass_s,
+            fitted.decode_s_per_request,
+            seen,
+            source="fit",
+            rate_source="fit",
+        )
 
     def forget(self, replica: ReplicaName) -> None:
         self._replicas.pop(replica, None)
@@ -437,6 +501,7 @@ __all__ = [
     "CostCalibrator",
     "Observation",
     "ReplicaCosts",
+    "SharedObservation",
     "fit_costs",
     "native_cost_fit",
     "python_fit_costs",

@@ -15,9 +15,10 @@ argument).
 Hostile peers. A report is decoded at the edge into `LoadReport` (msgspec, typed) and then checked whole: counts
 negative, above `max_in_flight` requests, decoding more than in flight, or more than `max_tokens_per_request`
 pending tokens per request in flight (so 10^12 tokens is refused), prefixes not in whole 8-byte keys or longer than
-`max_prefix_blocks`: the whole report is ignored and counted by reason (`problems`), the peer's previous report
-stays until it expires. Replicas this instance does not route to are skipped (`unknown_replica`), reports older
-than one already folded from the same peer are skipped (`stale`), and this instance's own echo is ignored.
+`max_prefix_blocks`, calibration samples not finite or out of their physical range (`bad_sample`): the whole report
+is ignored and counted by reason (`problems`), the peer's previous report stays until it expires. Replicas this
+instance does not route to are skipped (`unknown_replica`), reports older than one already folded from the same peer
+are skipped (`stale`), and this instance's own echo is ignored.
 
 When to publish. Every change of this instance's own load that peers must hear — a dispatch committed, a
 prefill done (first token), a request finished — calls `notify` (the shell's wake-up: it only sets a flag, so the
@@ -27,6 +28,14 @@ time its own echo comes back through the channel; the largest of the last `ECHO_
 `staleness_s`, and the blind group's horizon is twice it (a change may wait for the one publish ahead of it, then
 travel itself).
 
+Calibration. kv_aware learns each replica's costs from the TTFTs of the requests it routed
+(`kvrouter.routing.calibration`); an instance of K sees a K-th of them, so K instances would fit K different,
+noisier cost models of the same replicas and price them apart (measured live: three instances in front of four
+identical replicas priced the same replica's prefill at 9k, 21k and 22k tokens/s). A policy that calibrates
+(`PeerCalibrationSink`) hands the load share the observations it made; each report carries those made since the
+last one (`samples`), and every instance fits them beside its own, so each fits the fleet's whole history as one
+router would. A peer's samples leave the fits when its reports expire.
+
 Knobs (`Settings`, `KVROUTER_LOAD_SHARE_*`): `interval_s` (the shell's tick: expiry, and a change no listener
 signalled), `heartbeat_s` (publish even when nothing changed, so peers keep this instance and newcomers learn it),
 `expiry_s`, `prefix_blocks` (leading blocks of a routed prefix shared with peers).
@@ -34,6 +43,7 @@ signalled), `heartbeat_s` (publish even when nothing changed, so peers keep this
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -41,6 +51,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
+from kvrouter.routing.calibration import Observation, SharedObservation
 from kvrouter.routing.herding import BlindGroup
 from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.load import LoadBook, OwnLoad
@@ -65,12 +76,26 @@ class RoutedPrefix(msgspec.Struct, array_like=True, frozen=True):
     """Leading block keys, little-endian u64 each."""
 
 
+class CostSample(msgspec.Struct, array_like=True, frozen=True):
+    """One calibration observation (`kvrouter.routing.calibration.Observation`) on a replica of the given weight."""
+
+    replica: str
+    work_tokens: float
+    short: float
+    passes: float
+    decoding: float
+    ttft_s: float
+    weight: float
+
+
 class LoadReport(msgspec.Struct, array_like=True, frozen=True):
     version: int
     instance: str
     seq: int
     replicas: list[ReplicaCounts]
     prefixes: list[RoutedPrefix] = []
+    samples: list[CostSample] = []
+    """Calibration observations made since the last report (a later field: older peers' reports have none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +105,23 @@ class ShareLimits:
     max_in_flight: int = 100_000
     max_tokens_per_request: int = 4_194_304
     max_instance_chars: int = 128
+    max_ttft_s: float = 86_400.0
+    """A calibration sample's TTFT above this is refused (a day: no engine answers later and is still routed to)."""
+    max_weight: float = 1e6
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(LoadReport)
+
+
+def _sample(shared: SharedObservation) -> CostSample:
+    o = shared.observation
+    return CostSample(str(shared.replica), o.work_tokens, o.short, o.passes, o.decoding, o.ttft_s, shared.weight)
+
+
+def _observation(sample: CostSample) -> SharedObservation:
+    observation = Observation(sample.work_tokens, sample.short, sample.passes, sample.decoding, sample.ttft_s)
+    return SharedObservation(ReplicaName(sample.replica), observation, sample.weight)
 
 
 def _pack_keys(keys: Sequence[BlockKey]) -> bytes:
@@ -101,6 +139,27 @@ class PeerPrefillSink(Protocol):
     def peer_prefill(self, replica: ReplicaName, tokens: int, pending: int, now: float) -> None:
         """A peer's report on `replica`, folded in `now`, shows `tokens` (> 0) more prefill tokens pending there
         than its last one (its dispatches since); the replica's pending prefill is now `pending` (the fleet's)."""
+        ...
+
+
+@runtime_checkable
+class PeerCalibrationSink(Protocol):
+    """A policy that learns replica costs from TTFTs: it hands out its observations and fits the peers' too."""
+
+    def share_observations(self) -> None:
+        """Start keeping observations for `take_observations`."""
+        ...
+
+    def take_observations(self) -> list[SharedObservation]:
+        """The observations made since the last call."""
+        ...
+
+    def peer_observations(self, peer: str, observations: Sequence[SharedObservation]) -> None:
+        """A peer instance's observations, already checked."""
+        ...
+
+    def forget_peer(self, peer: str) -> None:
+        """The peer's reports stopped: its observations no longer count."""
         ...
 
 
@@ -123,12 +182,17 @@ class LoadShare:
         limits: ShareLimits | None = None,
         blind_group: BlindGroup | None = None,
         progress: PeerPrefillSink | None = None,
+        calibration: PeerCalibrationSink | None = None,
     ) -> None:
         self.instance = instance
         self.blind_group = blind_group
         """Hears the peers' dispatches (`kvrouter.routing.herding`: how blind this instance's decisions are)."""
         self.progress = progress
         """Hears the prefill tokens peers sent to each replica (kv_aware's prefill-progress estimate queues them)."""
+        self.calibration: PeerCalibrationSink | None = None
+        """Hands out this instance's calibration observations and fits the peers' (`share_calibration`)."""
+        if calibration is not None:
+            self.share_calibration(calibration)
         self.load = load
         self.replicas = replicas
         """The fleet's replicas now (a reload changes them): reports about others do not count."""
@@ -145,6 +209,11 @@ class LoadShare:
         """The shell's wake-up, called on each change of this instance's own load (it must not block)."""
         self._sent: deque[tuple[int, float]] = deque(maxlen=ECHO_WINDOW)
         self._echoes: deque[float] = deque(maxlen=ECHO_WINDOW)
+
+    def share_calibration(self, calibration: PeerCalibrationSink) -> None:
+        """Reports carry `calibration`'s observations, and the peers' are fitted by it."""
+        calibration.share_observations()
+        self.calibration = calibration
 
     # -- RequestListener: each change of own load wakes the shell; the commit also marks the routed prefix -------
 
@@ -187,10 +256,15 @@ class LoadShare:
             self._sent.append((self._seq, now))
         prefixes, self._routed = self._routed, []
         replicas = [ReplicaCounts(*entry) for entry in counts]
-        payload = _encoder.encode(LoadReport(WIRE_VERSION, self.instance, self._seq, replicas, prefixes))
-        while max_bytes is not None and len(payload) > max_bytes and prefixes:
-            prefixes = prefixes[: len(prefixes) // 2]
-            payload = _encoder.encode(LoadReport(WIRE_VERSION, self.instance, self._seq, replicas, prefixes))
+        samples = [] if self.calibration is None else [_sample(o) for o in self.calibration.take_observations()]
+        payload = _encoder.encode(LoadReport(WIRE_VERSION, self.instance, self._seq, replicas, prefixes, samples))
+        while max_bytes is not None and len(payload) > max_bytes and (prefixes or samples):
+            # Prefixes go first (the KV events bring them anyway), then the oldest calibration samples.
+            if prefixes:
+                prefixes = prefixes[: len(prefixes) // 2]
+            else:
+                samples = samples[len(samples) // 2 + len(samples) % 2 :]
+            payload = _encoder.encode(LoadReport(WIRE_VERSION, self.instance, self._seq, replicas, prefixes, samples))
         return payload
 
     def _counts(self) -> tuple[tuple[str, int, int, int], ...]:
@@ -249,6 +323,11 @@ class LoadShare:
                 replica = ReplicaName(prefix.replica)
                 if replica in fleet:
                     self.lookup.add_provisional(replica, _unpack_keys(prefix.keys), now)
+        if self.calibration is not None and report.samples:
+            shared = [_observation(sample) for sample in report.samples if sample.replica in fleet]
+            self.problems["unknown_replica"] += len(report.samples) - len(shared)
+            if shared:
+                self.calibration.peer_observations(report.instance, shared)
         if self.blind_group is not None:
             self.blind_group.peer_dispatched(dispatched, now, ranked_after=report.instance > self.instance)
         self.reports_folded += 1
@@ -293,6 +372,22 @@ class LoadShare:
         for prefix in report.prefixes:
             if len(prefix.keys) % 8 or len(prefix.keys) > 8 * limits.prefix_blocks:
                 return "bad_prefix"
+        if len(report.samples) > limits.max_in_flight:
+            return "absurd_samples"
+        most_work = float(limits.max_in_flight) * limits.max_tokens_per_request
+        for sample in report.samples:
+            values = (sample.work_tokens, sample.short, sample.passes, sample.decoding, sample.ttft_s, sample.weight)
+            if not all(math.isfinite(value) for value in values):
+                return "bad_sample"
+            if not (
+                0 <= sample.work_tokens <= most_work
+                and 0 <= sample.short <= 1
+                and 1 <= sample.passes <= most_work
+                and 0 <= sample.decoding <= limits.max_in_flight
+                and 0 <= sample.ttft_s <= limits.max_ttft_s
+                and 0 < sample.weight <= limits.max_weight
+            ):
+                return "bad_sample"
         return None
 
     def expire(self, now: float) -> list[str]:
@@ -301,6 +396,8 @@ class LoadShare:
         for name in gone:
             del self._peers[name]
             self.load.drop_peer(name)
+            if self.calibration is not None:
+                self.calibration.forget_peer(name)
         self.expired += len(gone)
         if gone:
             self._rank()
@@ -319,8 +416,10 @@ class LoadShare:
 __all__ = [
     "ECHO_WINDOW",
     "WIRE_VERSION",
+    "CostSample",
     "LoadReport",
     "LoadShare",
+    "PeerCalibrationSink",
     "PeerPrefillSink",
     "ReplicaCounts",
     "RoutedPrefix",

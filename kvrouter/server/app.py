@@ -49,7 +49,7 @@ from kvrouter.routing.overlays import overlays_from_settings
 from kvrouter.routing.quality import RoutingQuality, SaturationConfig
 from kvrouter.routing.router import PrefixLookup, PromptTokenizer, Router
 from kvrouter.routing.sessions import SessionTable
-from kvrouter.routing.sharing import LoadShare, PeerPrefillSink, ShareLimits
+from kvrouter.routing.sharing import LoadShare, PeerCalibrationSink, PeerPrefillSink, ShareLimits
 from kvrouter.server.client_limits import EDGE, ClientEdge, EdgeLimits, prompt_limits, soft_fd_limit
 from kvrouter.server.disagg_legs import PdLegs
 from kvrouter.server.engine_costs import EngineCostFeed
@@ -234,6 +234,8 @@ def create_app(
     policy = build_policy(fleet.policy or settings.policy, settings, clock=clock)
     if share is not None and isinstance(policy, PeerPrefillSink):
         share.progress = policy  # the peers' prefills queue in its progress estimate as its own do
+    if share is not None and settings.load_share_calibration and isinstance(policy, PeerCalibrationSink):
+        share.share_calibration(policy)  # every instance fits the fleet's observations, as one router would
     sessions = None
     if settings.session_mode != "off" and settings.session_key_from != "off":
         sessions = SessionTable(
