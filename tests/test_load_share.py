@@ -17,11 +17,11 @@ from redis.asyncio import Redis
 
 from kvrouter.config import load_fleet
 from kvrouter.index import PrefixIndex
-from kvrouter.redisplane.loadplane import CHANNEL, load_plane_client
-from kvrouter.routing.load import LoadBook
 from kvrouter.policies.base import Candidate, ReplicaLoad, RouteRequest
 from kvrouter.policies.kv_aware import KvAwarePolicy
+from kvrouter.redisplane.loadplane import CHANNEL, load_plane_client
 from kvrouter.routing.calibration import Observation, SharedObservation
+from kvrouter.routing.load import LoadBook
 from kvrouter.routing.sharing import (
     CostSample,
     LoadReport,
@@ -204,6 +204,19 @@ def test_calibration_samples_travel_with_the_reports_and_leave_with_the_peer() -
     assert policy_y.calibration.costs(A).source == "start"  # nothing of x's is left
 
 
+def test_without_shared_calibration_reports_carry_no_samples_and_peers_are_not_fitted() -> None:
+    """`load_share_calibration` off (the default): the load share has no calibration sink."""
+    policy = KvAwarePolicy()
+    x = LoadShare("x", LoadBook(), lambda: FLEET)
+    for number in range(30):
+        routed_and_answered(policy, A, 2_000 + 400 * number, 0.2)
+    assert policy.shared_observations is None and policy.take_observations() == []
+    assert decode_report(x.report()).samples == []
+    y, policy_y = LoadShare("y", LoadBook(), lambda: FLEET), KvAwarePolicy()
+    assert y.receive(msgspec.msgpack.encode(LoadReport(1, "x", 1, [], [], [sample()] * 30)), 0.0)
+    assert policy_y.calibration is not None and policy_y.calibration.replicas() == []
+
+
 def decode_report(payload: bytes) -> LoadReport:
     return msgspec.msgpack.decode(payload, type=LoadReport)
 
@@ -368,7 +381,11 @@ async def test_two_kv_aware_routers_fit_each_others_observations(
     clients = []
     for _ in range(2):
         settings_ = router_settings(
-            replicas=path, redis_url=redis_server.url, load_share_expiry_s=1.0, policy="kv_aware"
+            replicas=path,
+            redis_url=redis_server.url,
+            load_share_expiry_s=1.0,
+            policy="kv_aware",
+            load_share_calibration=True,
         )
         clients.append(await aiohttp_client(create_app(settings_, load_fleet(path), registry=CollectorRegistry())))
     a, b = clients

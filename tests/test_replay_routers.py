@@ -222,3 +222,41 @@ def test_cli_blind_group_rows(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"kv_aware@k2-round_robin-{label}" in out
     assert "share0ms-herd" not in out  # instant sharing has no blind group to turn off
     assert main([*argv[:-1], "--blind-group", "sometimes"]) == 2
+
+
+def test_shared_calibration_gives_every_instance_the_fleets_observations(slice_400: Trace) -> None:
+    """`--share-calibration on`: each instance fits every instance's observations (its peers' tagged by name), so
+    the four price each replica alike; off, each fits the quarter it routed and they differ."""
+
+    def priced(replay: Replay) -> list[list[float]]:
+        prices = []
+        for instance in replay.instances:
+            calibration = instance.router.policy.calibration  # type: ignore[attr-defined]
+            prices.append([calibration.costs(engine.name).prefill_tokens_per_s for engine in replay.engines])
+        return prices
+
+    own = build(slice_400, RouterSpread(routers=4, share_delay_s=0.01))
+    own.run()
+    held_own = [instance.router.policy.calibration.held_from(None) for instance in own.instances]  # type: ignore[attr-defined]
+    shared_replay = build(slice_400, RouterSpread(routers=4, share_delay_s=0.01, share_calibration=True))
+    shared_replay.run()
+    for instance in shared_replay.instances:
+        calibration = instance.router.policy.calibration  # type: ignore[attr-defined]
+        peers = [other.name for other in shared_replay.instances if other is not instance]
+        assert calibration.held_from(None) > 0 and all(calibration.held_from(peer) > 0 for peer in peers)
+        assert sum(calibration.held_from(source) for source in [None, *peers]) > 3 * calibration.held_from(None)
+    spread_own = [max(column) / min(column) for column in zip(*priced(own), strict=True)]
+    spread_shared = [max(column) / min(column) for column in zip(*priced(shared_replay), strict=True)]
+    assert max(spread_shared) < 1.05 < max(spread_own)
+    assert sum(held_own) == 400  # each of the 400 requests was observed by exactly one instance
+
+
+def test_cli_shared_calibration_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", str(shared(MOONCAKE_CONVERSATION)), "--policies", "kv_aware", "--limit", "80", "--no-floor"]
+    argv += ["--routers", "2", "--share-delay-ms", "off,10", "--share-calibration", "off,on", "--jobs", "1", "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for label in ("unshared", "share10ms", "share10ms-sharedcalib"):
+        assert f"kv_aware@k2-round_robin-{label}" in out
+    assert "unshared-sharedcalib" not in out  # without shared load nothing carries the observations
+    assert main([*argv[:-1], "--share-calibration", "maybe"]) == 2

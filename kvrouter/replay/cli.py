@@ -11,9 +11,9 @@ each policy through four router instances, once per sharing setting (`off`: each
 row each, labelled `<policy>@k4-share<ms>` or `<policy>@k4-unshared`; with a delay each instance decides through
 its blind group (kvrouter/routing/herding.py: ranked places, and each instance waits its rank times the delay
 before deciding); `--blind-group on,nostagger,random,off` adds the row without the wait (`...-nostagger`), the
-random-place row (`...-randomplace`) and the plain policy's (`...-herd`). With shared load the instances also hand
-each other their calibration observations, as live; `--share-calibration on,off` adds the row where each fits only
-what it routed (`...-owncalib`).
+random-place row (`...-randomplace`) and the plain policy's (`...-herd`). `--share-calibration off,on` adds the row
+where the instances also fit each other's calibration observations (`...-sharedcalib`; live:
+`load_share_calibration`).
 
 Session hints: `--sessions off,soft,sticky` replays each policy once per mode, the trace's conversations as
 sessions (`kvrouter.replay.trace.conversations`), labelled `<policy>`, `<policy>+soft`, `<policy>+sticky`.
@@ -131,9 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--share-calibration",
-        default="on",
-        help="With shared load, the instances fit each other's calibration observations (on, as live) or only their "
-        "own (off); on,off for one row each (`-owncalib`).",
+        default="off",
+        help="With shared load, the instances fit each other's calibration observations (on; live: "
+        "load_share_calibration) or only their own (off, the default); off,on for one row each (`-sharedcalib`).",
     )
     parser.add_argument(
         "--flow",
@@ -334,8 +334,8 @@ def row_label(
     sharing = "unshared" if delay is None else f"share{delay * 1000:g}ms"
     herd = {"on": "", "nostagger": "-nostagger", "random": "-randomplace", "off": "-herd"}[spread.blind_group]
     herd = herd if delay else ""
-    own = "" if spread.share_calibration or delay is None else "-owncalib"
-    return f"{policy}{queue}@k{spread.routers}-{spread.spread}-{sharing}{herd}{own}"
+    shared = "-sharedcalib" if spread.share_calibration and delay is not None else ""
+    return f"{policy}{queue}@k{spread.routers}-{spread.spread}-{sharing}{herd}{shared}"
 
 
 Job = Callable[[], tuple[ReplayResult, float]]
@@ -389,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
             )
             for delay in (sharing if args.routers > 1 else [0.0])
             for on in (blind if delay else ["on"])
-            for calibrate in (calibrations if args.routers > 1 and delay is not None else [True])
+            for calibrate in (calibrations if args.routers > 1 and delay is not None else [False])
         ]
         profile = get_profile(args.profile)
         speeds = _speeds(args.speeds, args.replicas)

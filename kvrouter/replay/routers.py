@@ -12,10 +12,10 @@ random from `seed` (a plain load balancer). With a share delay, each instance de
 source is seeded from `seed` and the instance's number, its rank the instance's number, and which waits its rank
 times the delay before deciding (the stagger: a burst is decided in rank order, each instance seeing the earlier
 ones); `blind_group` `nostagger` takes ranked places without waiting, `random` takes random places (no rank, no
-wait), `off` leaves the blind group out (the plain policy: the herd, for comparison). With shared load, each
-report also carries the calibration observations its instance made since the last one, which the others' policies
-fit beside their own (`kvrouter.routing.sharing.PeerCalibrationSink`, as live; `share_calibration` off: each
-instance fits only what it routed).
+wait), `off` leaves the blind group out (the plain policy: the herd, for comparison). With `share_calibration`,
+each report also carries the calibration observations its instance made since the last one, which the others'
+policies fit beside their own (`kvrouter.routing.sharing.PeerCalibrationSink`, as live with
+`load_share_calibration`; off, the default: each instance fits only what it routed).
 
 Knobs (`RouterSpread`): `routers` (K), `spread` (`round_robin` | `random`), `seed`, `share_delay_s` (None: no
 sharing; 0: instant), `blind_group`, `share_calibration`.
@@ -51,8 +51,9 @@ class RouterSpread:
     blind_group: str = "on"
     """With a share delay: decide through `kvrouter.routing.herding.BlindGroup` (`on`: ranked places and the
     stagger, `nostagger`: ranked places without it, `random`: random places) or not (`off`: the plain policy)."""
-    share_calibration: bool = True
-    """With shared load: the instances hand each other their calibration observations (as live)."""
+    share_calibration: bool = False
+    """With shared load: the instances hand each other their calibration observations (live:
+    `load_share_calibration`)."""
 
     def blind_group_config(self) -> BlindGroupConfig | None:
         """What each instance's `BlindGroup` is built from; None when there is none (one router, no sharing,
