@@ -28,13 +28,14 @@ time its own echo comes back through the channel; the largest of the last `ECHO_
 `staleness_s`, and the blind group's horizon is twice it (a change may wait for the one publish ahead of it, then
 travel itself).
 
-Calibration. kv_aware learns each replica's costs from the TTFTs of the requests it routed
-(`kvrouter.routing.calibration`); an instance of K sees a K-th of them, so K instances would fit K different,
-noisier cost models of the same replicas and price them apart (measured live: three instances in front of four
-identical replicas priced the same replica's prefill at 9k, 21k and 22k tokens/s). A policy that calibrates
+Calibration (`share_calibration`; live with the setting `load_share_calibration`, off by default). kv_aware
+learns each replica's costs from the TTFTs of the requests it routed (`kvrouter.routing.calibration`); an instance
+of K sees a K-th of them, so K instances fit K noisier cost models of the same replicas (live, three instances
+priced one replica's prefill at 9k, 21k and 22k tokens/s). With the setting, a policy that calibrates
 (`PeerCalibrationSink`) hands the load share the observations it made; each report carries those made since the
 last one (`samples`), and every instance fits them beside its own, so each fits the fleet's whole history as one
-router would. A peer's samples leave the fits when its reports expire.
+router would. A peer's samples leave the fits when its reports expire. Off by default: in the replay it bought no
+tail latency on the held-out trace (docs/scaling.md, "Shared calibration").
 
 Knobs (`Settings`, `KVROUTER_LOAD_SHARE_*`): `interval_s` (the shell's tick: expiry, and a change no listener
 signalled), `heartbeat_s` (publish even when nothing changed, so peers keep this instance and newcomers learn it),
