@@ -66,25 +66,19 @@ def load_share_summary(port: int) -> str:
             text = response.read().decode()
     except (OSError, ValueError) as error:
         return f"no metrics ({error})"
-    values = {
-        sample.name.removeprefix("kvrouter_load_share_"): sample.value
+    samples = [
+        sample
         for family in text_string_to_metric_families(text)
         if family.name.startswith("kvrouter_load_share_")
         for sample in family.samples
-        if not sample.labels
-    }
+    ]
+    values = {s.name.removeprefix("kvrouter_load_share_"): s.value for s in samples if not s.labels}
     staggered = values.get("staggered_decisions_total", 0.0)
     waited = values.get("stagger_seconds_total", 0.0)
     mean_ms = 1000 * waited / staggered if staggered else 0.0
     staleness_ms = 1000 * values.get("staleness_seconds", float("nan"))
     placeholders = values.get("blind_placeholders_total", 0.0)
-    problems = {
-        sample.labels["reason"]: sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "kvrouter_load_share_problems"
-        for sample in family.samples
-        if sample.name.endswith("_total")
-    }
+    problems = {s.labels["reason"]: s.value for s in samples if s.name == "kvrouter_load_share_problems_total"}
     refused = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(problems.items()) if count) or "none"
     return (
         f"peers {values.get('peers', 0):.0f}, staleness {staleness_ms:.1f} ms, published "
