@@ -476,9 +476,9 @@ async def test_a_router_started_in_front_of_a_warm_simulated_replica_prices_it_f
 ) -> None:
     """A `kvrouter sim` replica (cpu-tiny, real sockets) serves 8 prompts before any router exists; a kv_aware
     router started then (its start mis-set at 2,000 tokens/s) prices it from the engine's history at its first
-    scrapes, at or below the profile's rate, where the router alone would still use the start (it has routed
-    nothing). Time scale 2: passes of tens of milliseconds, so timer slack on a busy machine moves the measured
-    prefill time little."""
+    scrapes, at or below the rate it serves at (the profile's x the time scale), where the router alone would still
+    use the start (it has routed nothing). Time scale 2: passes of tens of milliseconds, so timer slack on a busy
+    machine moves the measured prefill time little."""
     profile = get_profile("cpu-tiny")
     settings = ReplicaSettings(
         name="s0", model_name="tiny", max_model_len=4096, request_overhead_s=profile.request_overhead_s, time_scale=2.0
@@ -509,7 +509,9 @@ async def test_a_router_started_in_front_of_a_warm_simulated_replica_prices_it_f
             await asyncio.sleep(0.05)
         assert candidate["cost_source"]["prefill_tokens_per_s"] == "engine"
         assert candidate["calibration_samples"] == 0  # nothing of its own yet
-        one_pass = 2000 / profile.step_time(2000, 0, 2000, 2000 * 1000)  # ~14.8k tokens/s
+        # ~14.8k tokens/s in the profile's time; at time scale 2 the replica serves twice that, and its /metrics
+        # (wall seconds, as a real engine's) say so.
+        one_pass = 2000 / profile.step_time(2000, 0, 2000, 2000 * 1000) * settings.time_scale
         assert 0.5 * one_pass < candidate["prefill_tokens_per_s"] <= 1.01 * one_pass
         assert candidate["prefill_tokens_per_s"] > 3 * 2000  # the start it replaced
     finally:

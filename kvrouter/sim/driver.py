@@ -5,7 +5,9 @@ The driver loops: run one engine pass, sleep until the pass would have ended (it
 publisher, latencies to the metrics. Requests arriving during a pass join the next one, as in vLLM. When the loop
 falls behind (timer slack, a busy CPU), later passes make up to `catch_up_s` of the lag by sleeping less; beyond
 that, lateness only delays. Simulated time is wall time
-multiplied by `time_scale`; metrics report simulated seconds. With `device` (replicas sharing one GPU,
+multiplied by `time_scale`; the latency metrics report wall seconds, what anyone timing this replica measures (a
+router's TTFTs, its engine-rate source: kvrouter/routing/engine_rates.py), as a real engine that slow (or that
+fast) would report them. With `device` (replicas sharing one GPU,
 `kvrouter.sim.device`) a pass ends when the shared device says so, not after its own duration.
 """
 
@@ -141,7 +143,7 @@ class EngineDriver:
             if item.first_token is None:
                 item.first_token = now
                 if metrics is not None:
-                    metrics.ttft.observe((now - item.arrived) * self.time_scale)
+                    metrics.ttft.observe(now - item.arrived)
                     metrics.prompt_tokens.inc(item.request.prompt_len)
             item.emitted += 1
             item.sink.put_nowait((item.index, TOKEN))
@@ -153,12 +155,11 @@ class EngineDriver:
                 continue
             item.finished = True
             if metrics is not None:
-                scale = self.time_scale
-                metrics.e2e.observe((now - item.arrived) * scale)
+                metrics.e2e.observe(now - item.arrived)
                 # Like vLLM, at the end: queue (arrival to first scheduling), prefill (to the first token).
                 scheduled = item.arrived if item.scheduled is None else item.scheduled
                 first = now if item.first_token is None else item.first_token
-                metrics.queue_time.observe(max(0.0, scheduled - item.arrived) * scale)
-                metrics.prefill_time.observe(max(0.0, first - scheduled) * scale)
+                metrics.queue_time.observe(max(0.0, scheduled - item.arrived))
+                metrics.prefill_time.observe(max(0.0, first - scheduled))
                 metrics.prefill_computed_tokens.observe(max(0, item.request.prompt_len - item.cached_tokens))
             item.sink.put_nowait((item.index, DONE))

@@ -2,8 +2,9 @@
 
 Each replica has its own `CollectorRegistry` (several replicas share one process). Engine-side values (running,
 waiting, KV usage, prefix-cache query and hit counters) are read from the engine model at scrape time, so they
-are never stale; latency histograms are observed by the driver, in simulated seconds (wall time x time scale),
-with vLLM's bucket bounds — TTFT at the first token; e2e and, as vLLM does when a request finishes, its queue time,
+are never stale; latency histograms are observed by the driver, in wall seconds (what a router timing the replica
+sees: at `--time-scale 0.5` the replica is an engine at half the profile's speed, and says so), with vLLM's bucket
+bounds — TTFT at the first token; e2e and, as vLLM does when a request finishes, its queue time,
 its prefill time (from the pass that first scheduled it to its first token) and the prompt tokens it computed,
 which kv_aware's engine source reads (kvrouter/routing/engine_rates.py).
 """
