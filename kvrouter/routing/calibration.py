@@ -258,32 +258,23 @@ class CostCalibrator:
     def forget_source(self, source: str) -> None:
         """Drop every observation a peer instance handed over (its reports stopped): each window it was part of
         is refitted on what remains, or goes back to borrowing while that is under `min_samples`."""
-        states = list(self._replicas.items())
-        for replica, state in states:
+        for replica, state in self._replicas.items():
             if source in state.sources:
-                self._drop(state, source, self._refit_prior(replica))
+                self._drop(state, source)
+                # Pulled toward what the replica would borrow now, not toward its own fit with the peer's share in it.
+                self._refit(state, self.costs(replica, state.weight))
         fleet = self._fleet
         if fleet is not None and source in fleet.sources:
-            self._drop(fleet, source, self.start)
+            self._drop(fleet, source)
+            self._refit(fleet, self.start)
 
-    def _refit_prior(self, replica: ReplicaName) -> ReplicaCosts:
-        state = self._replicas[replica]
-        state.costs = None  # the fit without the peer's observations is pulled toward the others', not its own
-        return self.costs(replica, state.weight)
-
-    def _drop(self, state: _Replica, source: str, prior: ReplicaCosts) -> None:
+    def _drop(self, state: _Replica, source: str) -> None:
+        """Take `source`'s observations out of `state`'s window, and its fit with them."""
         kept = [(o, s) for o, s in zip(state.observations, state.sources, strict=True) if s != source]
         state.seen -= len(state.observations) - len(kept)
         state.observations = deque((o for o, _ in kept), maxlen=self.config.window)
         state.sources = deque((s for _, s in kept), maxlen=self.config.window)
         state.costs = None
-        state.since_fit = 0
-        if len(state.observations) >= self.config.min_samples:
-            fitted = fit_costs(state.observations, prior, self.config)
-            if fitted is None:
-                self.rejected_fits += 1
-            else:
-                state.costs = self._fitted(fitted, state.seen)
 
     def _empty(self) -> _Replica:
         return _Replica(deque(maxlen=self.config.window), deque(maxlen=self.config.window))
@@ -302,20 +293,22 @@ class CostCalibrator:
         if len(state.observations) >= self.config.min_samples and (
             state.costs is None or state.since_fit >= self.config.refit_every
         ):
-            state.since_fit = 0
-            fitted = fit_costs(state.observations, prior(), self.config)
-            if fitted is None:
-                self.rejected_fits += 1
-            else:
-                state.costs = self._fitted(fitted, state.seen)
+            self._refit(state, prior())
 
-    @staticmethod
-    def _fitted(fitted: ReplicaCosts, seen: int) -> ReplicaCosts:
-        return ReplicaCosts(
+    def _refit(self, state: _Replica, prior: ReplicaCosts) -> None:
+        """Fit `state`'s window (once it holds `min_samples`); a failed fit keeps the last estimate."""
+        state.since_fit = 0
+        if len(state.observations) < self.config.min_samples:
+            return
+        fitted = fit_costs(state.observations, prior, self.config)
+        if fitted is None:
+            self.rejected_fits += 1
+            return
+        state.costs = ReplicaCosts(
             fitted.prefill_tokens_per_s,
             fitted.pass_s,
             fitted.decode_s_per_request,
-            seen,
+            state.seen,
             source="fit",
             rate_source="fit",
         )
