@@ -32,6 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,11 +67,9 @@ def load_share_summary(port: int) -> str:
             text = response.read().decode()
     except (OSError, ValueError) as error:
         return f"no metrics ({error})"
+    families = list(text_string_to_metric_families(text))
     samples = [
-        sample
-        for family in text_string_to_metric_families(text)
-        if family.name.startswith("kvrouter_load_share_")
-        for sample in family.samples
+        sample for family in families if family.name.startswith("kvrouter_load_share_") for sample in family.samples
     ]
     values = {s.name.removeprefix("kvrouter_load_share_"): s.value for s in samples if not s.labels}
     staggered = values.get("staggered_decisions_total", 0.0)
@@ -84,7 +83,29 @@ def load_share_summary(port: int) -> str:
         f"peers {values.get('peers', 0):.0f}, staleness {staleness_ms:.1f} ms, published "
         f"{values.get('published_total', 0):.0f}, placeholders {placeholders:.0f}, staggered {staggered:.0f} "
         f"decisions (mean wait {mean_ms:.1f} ms), peers expired {values.get('expired_total', 0):.0f}, session "
-        f"errors {values.get('session_errors_total', 0):.0f}, reports refused: {refused}"
+        f"errors {values.get('session_errors_total', 0):.0f}, reports refused: {refused}; {cache_prediction(families)}"
+    )
+
+
+def cache_prediction(families: list[Metric]) -> str:
+    """Predicted against actual cached tokens over the replicas, and the requests whose engine found 16k or more
+    tokens fewer cached than the router predicted (a hit that was not there: the prompt's prefill was undercounted
+    in the load the router priced)."""
+    sums: dict[str, float] = {}
+    for family in families:
+        for sample in family.samples:
+            name = sample.name
+            if name in ("kvrouter_predicted_cached_tokens_total", "kvrouter_actual_cached_tokens_total"):
+                sums[name] = sums.get(name, 0.0) + sample.value
+            elif name == "kvrouter_cached_tokens_error_bucket" and float(sample.labels["le"]) == -16384.0:
+                sums["short"] = sums.get("short", 0.0) + sample.value
+            elif name == "kvrouter_cached_tokens_error_count":
+                sums["requests"] = sums.get("requests", 0.0) + sample.value
+    predicted = sums.get("kvrouter_predicted_cached_tokens_total", 0.0)
+    actual = sums.get("kvrouter_actual_cached_tokens_total", 0.0)
+    return (
+        f"cached tokens predicted {predicted:,.0f}, actual {actual:,.0f}; {sums.get('short', 0.0):.0f} of "
+        f"{sums.get('requests', 0.0):.0f} requests 16k+ tokens short of the predicted hit"
     )
 
 

@@ -24,7 +24,6 @@ source has delivered the prefix index), else 503 with ``reason`` and the failing
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import signal
@@ -36,6 +35,7 @@ from aiohttp import web
 
 from kvrouter.admin.fleet import FleetAdmin, ReloadRefused
 from kvrouter.config import ConfigError
+from kvrouter.redisplane.stopping import stop_task
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
@@ -267,9 +267,7 @@ def _shared_sync(admin: FleetAdmin, interval_s: float) -> Callable[[web.Applicat
     async def context(_app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(admin.run_sync(interval_s), name="kvrouter-admin-shared-state")
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await stop_task(task, "shared admin state", admin.shared.close if admin.shared is not None else None)
         if admin.shared is not None:
             await admin.shared.close()
 

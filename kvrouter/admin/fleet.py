@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvrouter.admin.shared import RELOAD_CATCH_UP_S, SharedView, file_digest
 from kvrouter.config import ConfigError, FleetConfig, ReplicaConfig, load_fleet
+from kvrouter.redisplane.stopping import cancel_requested
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
@@ -335,6 +336,8 @@ class FleetAdmin:
                 unreachable = not reached
                 if unreachable:
                     log.warning("shared admin state unreachable: drains and reloads apply to this instance only")
+            if cancel_requested():  # a cancel the Redis client swallowed (kvrouter/redisplane/stopping.py)
+                raise asyncio.CancelledError
             await asyncio.sleep(interval_s)
 
     async def _apply(self, new: FleetConfig, plan: ReloadPlan) -> None:

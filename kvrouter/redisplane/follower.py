@@ -52,6 +52,7 @@ from kvrouter.redisplane.clients import redis_from_url
 from kvrouter.redisplane.entries import EntryCodec, Op, Removed, Stored, unpack_u64
 from kvrouter.redisplane.layout import DEFAULT_PREFIX, Position, ReplicaKeys, replica_keys
 from kvrouter.redisplane.problems import SESSION_ERRORS, ApplyFailed, ProblemLog, replica_reason, session_reason
+from kvrouter.redisplane.stopping import cancel_requested, stop_task
 from kvrouter.routing.lifecycle import EventListener, tell_cleared
 from kvrouter.typedefs import BlockKey, EngineBlockHash, ReplicaName, Tier
 
@@ -261,13 +262,11 @@ class RedisFollower:
         task, self._task = self._task, None
         if task is None:
             return
-        task.cancel()
-        done, _ = await asyncio.wait([task], timeout=1.0)
-        if not done and self._redis is not None:
-            with contextlib.suppress(Exception):
-                await self._redis.connection_pool.disconnect(inuse_connections=True)
-            task.cancel()
-            await asyncio.wait([task], timeout=5.0)
+        await stop_task(task, "redis event follower", self._disconnect)
+
+    async def _disconnect(self) -> None:
+        if self._redis is not None:
+            await self._redis.connection_pool.disconnect(inuse_connections=True)
 
     async def run(self) -> None:
         """Follow until cancelled; never raises on Redis trouble."""
@@ -289,6 +288,8 @@ class RedisFollower:
             finally:
                 if redis is not None:
                     await self._close(redis)
+            if cancel_requested():  # a cancel the Redis client swallowed: stop, do not reconnect
+                raise asyncio.CancelledError
             await self.sleep(delay * (0.5 + self.rng.random()))
             delay = min(delay * 2, self.knobs.backoff_max_s)
             if self.connected:

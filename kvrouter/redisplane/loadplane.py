@@ -55,6 +55,7 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from kvrouter.redisplane.clients import CLUSTER_SCHEMES, masked_url, redis_from_url
+from kvrouter.redisplane.stopping import cancel_requested, stop_task
 from kvrouter.routing.sharing import LoadShare
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class RedisLoadPlane:
                 log.exception("load plane: unexpected error; restarting the session")
             self.stats.connected = False
             self.share.expire(self.clock())
+            if cancel_requested():  # a cancel the Redis client swallowed: stop, do not reconnect
+                raise asyncio.CancelledError
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
@@ -203,18 +206,15 @@ class RedisLoadPlane:
         await self.stop(task)
 
     async def stop(self, task: asyncio.Task[None]) -> None:
-        """Cancel `run` and wait for it, never forever. redis-py can swallow a cancel that lands as a blocking read
-        starts (the event follower's `stop` meets the same), and the receiver blocks on the channel until a message
-        comes: a worker then hung on SIGTERM (2 runs in ~47 of tests/test_redis_workers.py's restart test). Closing
-        the client's sockets ends such a read at once."""
-        task.cancel()
-        done, _ = await asyncio.wait([task], timeout=1.0)
-        if not done and self._client is not None:
-            log.warning("load plane: a Redis read did not take the cancel; closing its connections")
-            with contextlib.suppress(Exception):
-                await self._client.connection_pool.disconnect(inuse_connections=True)
-            task.cancel()
-            await asyncio.wait([task], timeout=5.0)
+        """Cancel `run` and wait for it, never forever (kvrouter/redisplane/stopping.py): the receiver blocks on the
+        channel until a message comes, and redis-py can swallow a cancel that lands as that read starts (a worker
+        hung on SIGTERM in 2 runs of ~47 of tests/test_redis_workers.py's restart test); closing the client's
+        sockets ends such a read at once."""
+        await stop_task(task, "load plane", self._disconnect)
+
+    async def _disconnect(self) -> None:
+        if self._client is not None:
+            await self._client.connection_pool.disconnect(inuse_connections=True)
 
 
 class SharingPlane(Protocol):
