@@ -597,6 +597,11 @@ class Settings(BaseSettings):
     kv_tune: bool = Field(default=False, description="Tune kv_cache_weight online against measured TTFT.")
     kv_feedback: bool = Field(default=False, description="Correct the index with engine-reported cached tokens.")
     kv_survival: bool = Field(default=False, description="Credit cached blocks only if likely to survive the wait.")
+    kv_lost_hits: bool = Field(
+        default=False,
+        description="A predicted prefix hit the engine evicts before admitting the request counts as prefill again "
+        "in its replica's load (kvrouter/routing/lost_hits.py).",
+    )
 
     # Session affinity hints (kvrouter/routing/sessions.py): the replica that served a session last.
     session_key_from: SessionKeySource = Field(

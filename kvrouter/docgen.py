@@ -405,8 +405,9 @@ def _relay_metrics() -> dict[str, tuple[str, tuple[str, ...], str]]:
 
 
 def render_metrics() -> str:
-    embedded = _app_metrics(Settings())
-    redis = _app_metrics(Settings(redis_url="redis://127.0.0.1:6379/0"))
+    # Optional parts' metrics are listed too (their help says which setting turns them on).
+    embedded = _app_metrics(Settings(kv_lost_hits=True))
+    redis = _app_metrics(Settings(redis_url="redis://127.0.0.1:6379/0", kv_lost_hits=True))
     relay = _relay_metrics()
     lines = [METRICS_HEADER, "| metric | type | labels | modes | description |", "|---|---|---|---|---|"]
     for name in sorted(set(embedded) | set(redis)):

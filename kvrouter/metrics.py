@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from kvrouter.events.metrics import EventMetrics
 from kvrouter.routing.calibration import ReplicaCosts
+from kvrouter.routing.lost_hits import LostHitWatch
 from kvrouter.routing.sessions import SessionTable
 
 LATENCY_BUCKETS = (
@@ -346,6 +347,34 @@ class CalibrationCollector(Collector):
         )
         weight.add_metric([], self.source.cache_weight)
         yield weight
+
+
+class LostHitCollector(Collector):
+    """Predicted prefix hits the engines evicted before admitting their requests (`kv_lost_hits`), read when
+    /metrics is scraped."""
+
+    def __init__(self, watch: LostHitWatch) -> None:
+        self.watch = watch
+
+    def collect(self) -> Iterator[Metric]:
+        watch = self.watch
+        yield GaugeMetricFamily(
+            "kvrouter_kv_lost_hits_watched",
+            "Requests waiting for their first token whose predicted prefix hit is watched for evictions "
+            "(kv_lost_hits on).",
+            value=watch.watched,
+        )
+        yield CounterMetricFamily(
+            "kvrouter_kv_lost_hits",
+            "Predicted prefix hits cut back: the engine evicted their blocks before admitting the request "
+            "(kv_lost_hits on).",
+            value=watch.lost_requests,
+        )
+        yield CounterMetricFamily(
+            "kvrouter_kv_lost_hit_tokens",
+            "Prompt tokens predicted cached that went back to their replica's pending prefill (kv_lost_hits on).",
+            value=watch.lost_tokens,
+        )
 
 
 class SessionCollector(Collector):

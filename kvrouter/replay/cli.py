@@ -438,6 +438,7 @@ def run(args: argparse.Namespace) -> int:
         provisional_ttl_s=settings.provisional_ttl_s,
         feedback=settings.kv_feedback,
         survival=settings.kv_survival,
+        lost_hits=settings.kv_lost_hits,
         prefill_tokens_per_s=settings.kv_prefill_tokens_per_s,
         lost_removals=args.lost_removals,
         replicate=args.replicate,

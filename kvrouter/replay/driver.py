@@ -10,7 +10,7 @@ index then (plus `event_delay_s`, to model a slow event path). Engine gauges are
 of virtual time into `LoadBook.observe_engine`, as the live router scrapes /metrics. At equal times, pass ends and
 events come before scrapes and arrivals, and passes start last, so simultaneous arrivals share a pass.
 
-Options beyond the plain router: `feedback` and `survival` turn on the learning overlays, built by the same
+Options beyond the plain router: `feedback`, `survival` and `lost_hits` turn on the learning overlays, built by the same
 `kvrouter.routing.overlays.build_overlays` the live app uses and fed the same way: a request's first
 `StepResult.cached_tokens` goes to `Routed.served` when it finishes (live, the usage arrives at the end of the
 answer), and every KV event the index applies goes to the overlays' `EventListener` methods (stores, removals,
@@ -96,6 +96,7 @@ class ReplayOptions:
     provisional_ttl_s: float = 5.0
     feedback: bool = False
     survival: bool = False
+    lost_hits: bool = False
     prefill_tokens_per_s: float = 48_000.0
     """Survival's wait estimate (`kv_prefill_tokens_per_s`, as live)."""
     lost_removals: float = 0.0
@@ -397,6 +398,7 @@ class Replay:
             load,
             feedback=self.options.feedback,
             survival=self.options.survival,
+            lost_hits=self.options.lost_hits,
             prefill_tokens_per_s=self.options.prefill_tokens_per_s,
         )
         options = self.options

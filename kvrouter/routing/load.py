@@ -88,6 +88,15 @@ class LoadBook:
         counts.pending_prefill_tokens -= ticket.prefill_tokens
         counts.decode_requests += 1
 
+    def add_prefill(self, ticket: Ticket, tokens: int) -> int:
+        """The request turns out to have `tokens` more to prefill (a predicted prefix hit the engine evicted before
+        admitting it, kvrouter/routing/lost_hits.py); returns what was added (0 once it has its first token)."""
+        if ticket.done or not ticket.prefilling or tokens <= 0:
+            return 0
+        ticket.prefill_tokens += tokens
+        self._counts.setdefault(ticket.replica, _Counts()).pending_prefill_tokens += tokens
+        return tokens
+
     def finish(self, ticket: Ticket) -> None:
         """Idempotent: a ticket is released exactly once whatever path ends the request."""
         if ticket.done:

@@ -6,13 +6,16 @@
   reads the `LoadBook` and hears the event path (stores, removals, clears).
 - `kv_feedback`: `FeedbackLookup` (kvrouter/routing/feedback.py), outermost, corrects matches with the engines' reported
   cache hits; it hears each request's `served` report and the event path (stores, clears).
+- `kv_lost_hits`: `LostHitWatch` (kvrouter/routing/lost_hits.py) gives a predicted hit the engine evicted before
+  admitting its request back to that request's pending prefill in the `LoadBook`; it hears each request's commit,
+  first token and finish, and the event path (removals, clears).
 - `kv_tune` lives in the kv_aware policy (kvrouter/routing/tuning.py); the lifecycle hands it every first token through
   `Policy.first_token`, so it needs nothing here.
 
 The caller hands `lookup` to the `Router`, `request_listeners` to the `Router` too, and `event_listeners` to its
 event path (`IndexIngest`, `RedisFollower`, the replay driver) and to whatever learns that a replica's cache is
-gone (a replica removed or unreachable). Knobs: `kv_feedback`, `kv_survival`, and `kv_prefill_tokens_per_s`
-(survival's wait estimate uses kv_aware's prefill rate).
+gone (a replica removed or unreachable). Knobs: `kv_feedback`, `kv_survival`, `kv_lost_hits`, and
+`kv_prefill_tokens_per_s` (survival's wait estimate uses kv_aware's prefill rate).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kvrouter.config import Settings
 from kvrouter.routing.feedback import FeedbackLookup
 from kvrouter.routing.lifecycle import EventListener, RequestListener
 from kvrouter.routing.load import LoadBook
+from kvrouter.routing.lost_hits import LostHitWatch
 from kvrouter.routing.router import PrefixLookup
 from kvrouter.routing.survival import SurvivalConfig, SurvivalLookup
 
@@ -35,6 +39,7 @@ class Overlays:
     event_listeners: list[EventListener] = field(default_factory=list)
     feedback: FeedbackLookup | None = None
     survival: SurvivalLookup | None = None
+    lost_hits: LostHitWatch | None = None
 
 
 def build_overlays(
@@ -43,6 +48,7 @@ def build_overlays(
     *,
     feedback: bool = False,
     survival: bool = False,
+    lost_hits: bool = False,
     prefill_tokens_per_s: float = 48_000.0,
 ) -> Overlays:
     overlays = Overlays(index)
@@ -55,6 +61,10 @@ def build_overlays(
         overlays.lookup = overlays.feedback
         overlays.request_listeners.append(overlays.feedback)
         overlays.event_listeners.append(overlays.feedback)
+    if lost_hits:
+        overlays.lost_hits = LostHitWatch()
+        overlays.request_listeners.append(overlays.lost_hits)
+        overlays.event_listeners.append(overlays.lost_hits)
     return overlays
 
 
@@ -64,6 +74,7 @@ def overlays_from_settings(settings: Settings, index: PrefixLookup, load: LoadBo
         load,
         feedback=settings.kv_feedback,
         survival=settings.kv_survival,
+        lost_hits=settings.kv_lost_hits,
         prefill_tokens_per_s=settings.kv_prefill_tokens_per_s,
     )
 

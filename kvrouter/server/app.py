@@ -35,7 +35,7 @@ from kvrouter.config import ConfigError, FleetConfig, Settings
 from kvrouter.events.embedded import EmbeddedEvents
 from kvrouter.index import PrefixIndex
 from kvrouter.index_writer import CountingIndexWriter
-from kvrouter.metrics import CalibrationCollector, CostSource, RouterMetrics, SessionCollector
+from kvrouter.metrics import CalibrationCollector, CostSource, LostHitCollector, RouterMetrics, SessionCollector
 from kvrouter.policies import build_policy
 from kvrouter.policies.kv_aware import KvAwarePolicy
 from kvrouter.redisplane.loadplane import LoadPlaneCollector, RedisLoadPlane, build_load_plane, instance_name
@@ -112,6 +112,8 @@ def build_prefix_parts(
     metrics.events.index_bytes.set_function(index.table_bytes)
     metrics.events.read_index_anomalies(lambda: {"hash_reuse": index.hash_reuses, "orphaned_bit": index.orphaned_bits})
     overlays = overlays_from_settings(settings, index, load if load is not None else LoadBook())
+    if overlays.lost_hits is not None:
+        metrics.registry.register(LostHitCollector(overlays.lost_hits))
     parts = PrefixParts(
         index=index,
         lookup=overlays.lookup,
