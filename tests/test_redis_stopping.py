@@ -9,6 +9,7 @@ swallows a cancel the way redis-py can, and check that shutdown still ends (kvro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -78,10 +79,8 @@ async def test_shutdown_ends_when_the_admin_poll_swallows_its_cancel(
 async def swallow_forever(stop: asyncio.Event) -> None:
     """A loop whose every wait swallows cancels (only `stop` ends it): what `stop_task` must not wait on forever."""
     while not stop.is_set():
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(0.05)
-        except asyncio.CancelledError:
-            pass
 
 
 async def test_stop_task_gives_up_on_a_task_that_never_takes_the_cancel() -> None:
