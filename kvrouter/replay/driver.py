@@ -10,8 +10,8 @@ index then (plus `event_delay_s`, to model a slow event path). Engine gauges are
 of virtual time into `LoadBook.observe_engine`, as the live router scrapes /metrics. At equal times, pass ends and
 events come before scrapes and arrivals, and passes start last, so simultaneous arrivals share a pass.
 
-Options beyond the plain router: `feedback`, `survival` and `lost_hits` turn on the learning overlays, built by the same
-`kvrouter.routing.overlays.build_overlays` the live app uses and fed the same way: a request's first
+Options beyond the plain router: `feedback`, `survival` and `lost_hits` turn on the learning overlays, built by
+the same `kvrouter.routing.overlays.build_overlays` the live app uses and fed the same way: a request's first
 `StepResult.cached_tokens` goes to `Routed.served` when it finishes (live, the usage arrives at the end of the
 answer), and every KV event the index applies goes to the overlays' `EventListener` methods (stores, removals,
 clears). The policy hears each first token through the handle (kv_aware's `kv_tune` learns from it). `replicate`

@@ -9,7 +9,7 @@ pricing that replica as if it had only the small uncached tail to do — an idle
 thousands of tokens queued, onto which the next requests herd. Seen live and in the replay on the Mooncake
 conversation trace (docs/benchmarks.md, "Several routers"): a 77,799-token prompt predicted 74,240 cached waited
 23.9 s behind a 112,941-token one, was served 512 from cache, and the small requests routed to its replica in the
-next seconds waited 22-23 s each, where one router had sent them elsewhere in ~1 s.
+next seconds waited 22-23 s each, where one router had sent two of the three elsewhere (~1 s).
 
 `LostHitWatch` hears both paths (a `RequestListener` and an `EventListener`, `kvrouter.routing.lifecycle`): each
 committed request with a predicted hit is watched on its replica until its first token; when the event path
@@ -21,7 +21,8 @@ the watch counts it lost (it over-counts the queue for the rest of that request'
 Cost: nothing per request beyond a dict entry; per removal event on a replica with watched requests, one set
 intersection per watched request (each request's key set is built on the first removal that could touch it).
 
-Setting: `kv_lost_hits` (kvrouter/config.py). Counted in `lost_requests` / `lost_tokens` (the replay reports them).
+Setting: `kv_lost_hits` (kvrouter/config.py), off by default (docs/benchmarks.md has why). Counted in `lost_requests`
+and `lost_tokens` (`kvrouter_kv_lost_hits_total`, `kvrouter_kv_lost_hit_tokens_total`).
 """
 
 from __future__ import annotations
