@@ -156,6 +156,22 @@ def router_series(metrics_text: str, name: str, **labels: str) -> float:
     )
 
 
+def not_split(router: RouterProcess, metrics_before: str, headers: Any) -> str:
+    """Why the router served a request some other way than split: its P/D and health series before and after,
+    each replica's health as it sees it now, and its log."""
+    wanted = ("kvrouter_pd_", "kvrouter_replica_healthy", "kvrouter_health_probe_failures")
+
+    def series(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith(wanted)]
+
+    after = series(http_call("GET", f"{router.url}/metrics").text)
+    health = http_call("GET", f"{router.url}/health").text
+    return (
+        f"answered by {headers.get(REPLICA_HEADER)}\nbefore: {series(metrics_before)}\nafter: {after}\n"
+        f"/health: {health}\nrouter log:\n{router.log_tail(60)}"
+    )
+
+
 def test_router_splits_a_request_over_the_pair(pd_pair: tuple[PdServer, PdServer], pd_router: RouterProcess) -> None:
     prefill, decode = pd_pair
     reset(prefill, decode)
@@ -169,7 +185,7 @@ def test_router_splits_a_request_over_the_pair(pd_pair: tuple[PdServer, PdServer
 
     answer = http_call("POST", f"{pd_router.url}/v1/completions", body, timeout=LEG_TIMEOUT_S)
     assert answer.status == 200, answer.text[:500]
-    assert answer.headers.get(REPLICA_HEADER) == decode.name, answer.headers
+    assert answer.headers.get(REPLICA_HEADER) == decode.name, not_split(pd_router, router_before, answer.headers)
     chunks = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
     assert chunks[-1]["usage"]["completion_tokens"] == 12, chunks[-1]
 
