@@ -484,6 +484,15 @@ class Settings(BaseSettings):
     read_timeout_s: float = Field(
         default=600.0, gt=0, description="Longest wait for the next chunk from a replica (first token included)."
     )
+    upstream_keepalive_s: float = Field(
+        default=4.0,
+        gt=0,
+        description=(
+            "How long an idle connection to a replica is kept for reuse. Keep it below the engines' own idle "
+            "timeout (vLLM closes an idle connection after 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a request sent on a "
+            "connection the engine is closing fails and is retried on another replica, its cache lost."
+        ),
+    )
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
     max_retries: int = Field(default=2, ge=0, le=5, description="Retries on another replica before any byte.")
     max_concurrency: int = Field(default=4096, ge=1, description="Requests in flight before new ones get 429.")

@@ -389,7 +389,7 @@ def forget_replica(
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, ttl_dns_cache=300)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=settings.upstream_keepalive_s, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s)
     session = aiohttp.ClientSession(
         connector=connector,
