@@ -15,7 +15,6 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from kvrouter.config import parse_fleet
 from kvrouter.server.app import create_app
 from tests.conftest import router_settings
+from tests.faults_support import RawServer
 from tests.test_proxy import metric_value
 
 ANSWER = {
@@ -37,31 +37,14 @@ ANSWER = {
 }
 
 
-@dataclass
-class ClosingReplica:
+class ClosingReplica(RawServer):
     """HTTP/1.1 with keep-alive, losing any request that comes on a connection idle past `idle_timeout_s`."""
 
-    name: str
-    idle_timeout_s: float
-    connections: int = 0
-    answered: int = 0
-    dropped: int = 0
-    port: int = 0
-    server: asyncio.Server | None = None
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
+    def __init__(self, name: str, idle_timeout_s: float) -> None:
+        super().__init__(name, answer=None)
+        self.idle_timeout_s = idle_timeout_s
+        self.answered = 0
+        self.dropped = 0
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
