@@ -102,7 +102,11 @@ def pd_router(pd_pair: tuple[PdServer, PdServer], tiny_model: Path, vllm_workdir
     """kvrouter in front of the pair (roles prefill and decode, `disaggregation: {mode: always}`, kv_aware)."""
     prefill, decode = pd_pair
     fleet = write_pd_replicas_yaml(vllm_workdir / "replicas-pd.yaml", prefill, decode, tiny_model, mode="always")
-    router = RouterProcess(fleet, vllm_workdir, name="router-pd", extra_args=("--policy", "kv_aware"))
+    # Probes every 2 s (each may take 2 s): a starved CI machine must not open a replica's breaker (three failed
+    # probes) mid-test, which would serve the split request whole on the other engine.
+    router = RouterProcess(
+        fleet, vllm_workdir, name="router-pd", extra_args=("--policy", "kv_aware", "--health-interval", "2")
+    )
     router.start()
     try:
         router.wait_ready(2, timeout_s=240)  # beside two NIXL engines, each polling most of a core
