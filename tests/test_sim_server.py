@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient
 
 from kvrouter.config import load_fleet
 from kvrouter.routing.engine_rates import EngineTotals, parse_engine_totals
-from kvrouter.sim.cli import free_port_run
+from kvrouter.sim.cli import ENGINE_KEEPALIVE_S, free_port_run
 from kvrouter.sim.engine import VllmEngine
 from kvrouter.sim.profiles import build_engine, get_profile
 from kvrouter.sim.server import ReplicaSettings, build_replica_app
@@ -263,6 +263,18 @@ async def test_cli_serves_replicas_and_writes_a_fleet_file(tmp_path: Path) -> No
                 url = f"{replica.base_url}/v1/completions"
                 async with session.post(url, json={"prompt": "hi there", "max_tokens": 2}) as response:
                     assert (await response.json())["usage"]["completion_tokens"] == 2
+        # Like vLLM, a replica closes a connection left idle for ENGINE_KEEPALIVE_S (what a router in front of
+        # real engines must live with), not aiohttp's 75 s.
+        reader, writer = await asyncio.open_connection("127.0.0.1", base)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: sim\r\n\r\n")
+        await writer.drain()
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        answered = time.monotonic()
+        while await asyncio.wait_for(reader.read(65536), ENGINE_KEEPALIVE_S + 5):
+            pass  # the rest of the answer's body
+        idle = time.monotonic() - answered
+        writer.close()
+        assert ENGINE_KEEPALIVE_S - 0.5 <= idle <= ENGINE_KEEPALIVE_S + 3, idle
     finally:
         process.terminate()
         await asyncio.wait_for(process.wait(), 10)

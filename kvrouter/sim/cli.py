@@ -48,6 +48,10 @@ from kvrouter.typedefs import ReplicaRole
 
 log = logging.getLogger("kvrouter.sim")
 
+ENGINE_KEEPALIVE_S = 5.0
+"""An idle client connection is closed after this long, as vLLM's server does (VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+default 5 s), so a client that keeps idle connections longer meets here what it meets in front of vLLM."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=4, help="Replicas to serve (default 4).")
@@ -318,7 +322,9 @@ async def _serve(
                 settings, engine, tokenizer, publisher=publisher, peers=peers, faults=faults.get(layout.name),
                 device=device,
             )  # fmt: skip
-            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            runner = web.AppRunner(
+                app, handler_cancellation=True, access_log=None, keepalive_timeout=ENGINE_KEEPALIVE_S
+            )
             await runner.setup()
             runners.append(runner)
             await web.TCPSite(runner, args.host, layout.http_port).start()
