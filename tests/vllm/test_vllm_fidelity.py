@@ -42,8 +42,9 @@ ROUND_SEEDS = (10, 11, 12)
 """The sequence runs for each seed, from empty caches each time: 48 requests per side."""
 PASSES = 3
 """Each seed's sequence runs this many times, each from empty caches, and a request's TTFT on each side is its fastest
-pass: a hiccup of the shared machine adds time to one pass, rarely to all of them. (CI once saw single real TTFTs 3-4x
-their neighbours' — a cached 256-token repeat at 86 ms — and a round's correlation at 0.747 with one pass.)"""
+pass: a hiccup of the shared machine adds time to one pass, rarely to all of them. (A CI run with one core busy
+elsewhere once saw single real TTFTs 3-4x their neighbours' — a cached 256-token repeat at 86 ms — and a round's
+correlation at 0.747 with one pass.)"""
 
 
 def rank_correlation(xs: list[float], ys: list[float]) -> float:
