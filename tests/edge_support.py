@@ -79,13 +79,18 @@ def status_of(answer: bytes) -> int:
         return 0
 
 
-async def read_response(reader: asyncio.StreamReader, seconds: float = 15.0) -> tuple[int, bytes]:
-    """One Content-Length-framed response: its status and body."""
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), seconds)
+def content_length(head: bytes) -> int:
+    """The Content-Length of an HTTP message head (request or response; 0 when absent)."""
     length = 0
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":
             length = int(value.strip())
-    body = await asyncio.wait_for(reader.readexactly(length), seconds)
+    return length
+
+
+async def read_response(reader: asyncio.StreamReader, seconds: float = 15.0) -> tuple[int, bytes]:
+    """One Content-Length-framed response: its status and body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), seconds)
+    body = await asyncio.wait_for(reader.readexactly(content_length(head)), seconds)
     return status_of(head), body

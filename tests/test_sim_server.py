@@ -24,6 +24,7 @@ from kvrouter.sim.profiles import build_engine, get_profile
 from kvrouter.sim.server import ReplicaSettings, build_replica_app
 from kvrouter.sim.textio import SimTokenizer
 from kvrouter.tinymodel import ensure_tokenizer
+from tests.edge_support import closed_within, read_response
 
 Client = TestClient[web.Request, web.Application]
 MakeClient = Callable[[web.Application], Awaitable[Client]]
@@ -268,10 +269,9 @@ async def test_cli_serves_replicas_and_writes_a_fleet_file(tmp_path: Path) -> No
         reader, writer = await asyncio.open_connection("127.0.0.1", base)
         writer.write(b"GET /health HTTP/1.1\r\nHost: sim\r\n\r\n")
         await writer.drain()
-        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        assert (await read_response(reader))[0] == 200
         answered = time.monotonic()
-        while await asyncio.wait_for(reader.read(65536), ENGINE_KEEPALIVE_S + 5):
-            pass  # the rest of the answer's body
+        await closed_within(reader, ENGINE_KEEPALIVE_S + 5)
         idle = time.monotonic() - answered
         writer.close()
         assert ENGINE_KEEPALIVE_S - 0.5 <= idle <= ENGINE_KEEPALIVE_S + 3, idle

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from kvrouter.config import parse_fleet
 from kvrouter.server.app import create_app
 from tests.conftest import router_settings
+from tests.edge_support import content_length
 from tests.faults_support import RawServer
 from tests.test_proxy import metric_value
 
@@ -55,12 +56,7 @@ class ClosingReplica(RawServer):
                 if time.monotonic() - idle_since > self.idle_timeout_s:
                     self.dropped += 1
                     return  # the engine's idle timer fired first: the request is lost with the connection
-                length = 0
-                for line in head.split(b"\r\n"):
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                await reader.readexactly(length)
+                await reader.readexactly(content_length(head))
                 body = json.dumps(ANSWER).encode()
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"

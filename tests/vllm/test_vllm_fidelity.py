@@ -178,8 +178,8 @@ def test_simulator_matches_real_vllm_on_cached_tokens_and_median_ttft(
         for first, *again in zip(*passes, strict=True):
             for other in again:  # the same requests from the same empty caches: the same usage on each pass
                 assert [tokens(u) for u in other[1:3]] == [tokens(u) for u in first[1:3]], (first, other)
-            fastest = (min(row[3] for row in (first, *again)), min(row[4] for row in (first, *again)))
-            rows.append((*first[:3], *fastest))
+            every = (first, *again)
+            rows.append((*first[:3], min(row[3] for row in every), min(row[4] for row in every)))
 
     table = "\n".join(
         f"{label:28s} prompt {ru['prompt_tokens']:5d}/{su['prompt_tokens']:5d} cached {cached(ru):5d}/{cached(su):5d} "
