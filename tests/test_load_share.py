@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -21,6 +22,7 @@ from kvrouter.policies.base import Candidate, ReplicaLoad, RouteRequest
 from kvrouter.policies.kv_aware import KvAwarePolicy
 from kvrouter.redisplane.loadplane import CHANNEL, load_plane_client
 from kvrouter.routing.calibration import Observation, SharedObservation
+from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.load import LoadBook
 from kvrouter.routing.sharing import (
     CostSample,
@@ -77,6 +79,20 @@ def test_a_report_carries_own_counts_and_routed_prefixes_to_the_peer() -> None:
     )
     assert index_y.longest_prefixes(keys, 1.0)[B].blocks == 3
     assert view(y.load, A) == (1, 0, 1)
+
+
+def test_routed_prefixes_travel_as_little_endian_u64_words() -> None:
+    """The wire format older peers read: each key 8 bytes, little-endian, the full unsigned range."""
+    x = share("x")
+    keys = [BlockKey(1), BlockKey(2**63 + 5), BlockKey(2**64 - 1), BlockKey(0x0102030405060708)]
+    x.on_commit(cast(Routed, SimpleNamespace(replica=B, keys=keys)))
+    payload = x.report()
+    sent = msgspec.msgpack.decode(payload, type=LoadReport).prefixes
+    assert [(p.replica, p.keys) for p in sent] == [("b", b"".join(k.to_bytes(8, "little") for k in keys))]
+    assert sent[0].keys[24:32] == bytes([8, 7, 6, 5, 4, 3, 2, 1])
+    index_y = PrefixIndex()
+    assert share("y", index=index_y).receive(payload, now=0.0)
+    assert index_y.longest_prefixes(keys, 0.0)[B].blocks == 4
 
 
 class Progress:

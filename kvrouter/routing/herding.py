@@ -255,33 +255,47 @@ class BlindGroup:
         if ahead == 0:
             return policy.select(request, candidates)
         tokens = self.placeholder_tokens()
-        loaded = list(candidates)
-        added = [0] * len(loaded)
-        position = {candidate.replica: number for number, candidate in enumerate(loaded)}
+        position = {candidate.replica: number for number, candidate in enumerate(candidates)}
+        requests = [0] * len(candidates)
+        added = [0] * len(candidates)
 
-        def place(number: int, size: int) -> None:
-            load = loaded[number].load
+        def loaded(number: int) -> Candidate:
+            """The candidate with the placeholders placed on it so far (built anew, not copied once per
+            placeholder: a decision behind a dozen placeholders made ~60 copies of a candidate)."""
+            candidate = candidates[number]
+            if not requests[number]:
+                return candidate
+            load, size = candidate.load, added[number]
             extra = replace(
                 load,
-                in_flight=load.in_flight + 1,
+                in_flight=load.in_flight + requests[number],
                 pending_prefill_tokens=load.pending_prefill_tokens + size,
                 peer_pending_prefill_tokens=load.peer_pending_prefill_tokens + size,
                 placeholder_prefill_tokens=load.placeholder_prefill_tokens + size,
             )
-            loaded[number] = replace(loaded[number], load=extra)
-            added[number] += size
+            return replace(candidate, load=extra)
+
+        def bare(candidate: Candidate) -> Candidate:
+            return replace(candidate, cached_tokens=0, cpu_tokens=0, storage_tokens=0)
 
         for standing in self._live:
-            if standing.replica in position:
-                place(position[standing.replica], standing.tokens)
+            number = position.get(standing.replica)
+            if number is not None:
+                requests[number] += 1
+                added[number] += standing.tokens
         placeholder = RouteRequest(prompt_tokens=tokens)
         new: list[ReplicaName] = []
-        for _ in range(ahead - len(self._live)):
-            bare = [replace(c, cached_tokens=0, cpu_tokens=0, storage_tokens=0) for c in loaded]
-            chosen = policy.select(placeholder, bare).chosen
-            place(position[chosen], tokens)
-            new.append(chosen)
-        decision = policy.select(request, loaded)
+        if ahead > len(self._live):
+            unseen = [bare(loaded(number)) for number in range(len(candidates))]
+            for _ in range(ahead - len(self._live)):
+                chosen = policy.select(placeholder, unseen).chosen
+                number = position[chosen]
+                requests[number] += 1
+                added[number] += tokens
+                unseen[number] = bare(loaded(number))
+                new.append(chosen)
+        loaded_all = [loaded(number) for number in range(len(candidates))]
+        decision = policy.select(request, loaded_all)
         scores = tuple(
             replace(
                 score,

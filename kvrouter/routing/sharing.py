@@ -45,6 +45,8 @@ signalled), `heartbeat_s` (publish even when nothing changed, so peers keep this
 from __future__ import annotations
 
 import math
+import sys
+from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -111,6 +113,7 @@ class ShareLimits:
     max_weight: float = 1e6
 
 
+_BIG_ENDIAN = sys.byteorder == "big"
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(LoadReport)
 
@@ -126,11 +129,20 @@ def _observation(sample: CostSample) -> SharedObservation:
 
 
 def _pack_keys(keys: Sequence[BlockKey]) -> bytes:
-    return b"".join(int(key).to_bytes(8, "little") for key in keys)
+    """Little-endian u64 each, converted in C (a Python loop over a request's ~250 keys cost ~20 µs a report)."""
+    packed = array("Q", keys)
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _unpack_keys(blob: bytes) -> list[BlockKey]:
-    return [BlockKey(int.from_bytes(blob[at : at + 8], "little")) for at in range(0, len(blob), 8)]
+    """The keys of `_pack_keys`'s bytes (a whole number of 8-byte words: `_refusal` checked it)."""
+    keys = array("Q")
+    keys.frombytes(blob)
+    if _BIG_ENDIAN:
+        keys.byteswap()
+    return keys.tolist()  # type: ignore[return-value]  # BlockKey is a NewType of int
 
 
 @runtime_checkable
