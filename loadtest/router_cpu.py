@@ -23,9 +23,11 @@ Baseline: `--baseline REF` exports that git revision (`git archive`) into a temp
 extensions and runs its router next to this checkout's, on the same bodies, interleaved repeat by repeat;
 figures are medians over `--repeats`. `--workers-check` adds throughput with `--workers 2` against one worker
 (`--workers-policy`, round_robin by default with no KV events; kv_aware with them, each worker subscribing to the
-replicas' publishers). On a host with cores to spare, `--router-cpus 0,1` pins every router to those cores and
-this script, the replicas and the load generator to the others, and `--drivers N` spreads the workers check's
-connections over N load-generator processes, so that only the router's cores limit its throughput.
+replicas' publishers), fresh routers each repeat, for the baseline too when one is given (then also the paired
+ratios of this checkout's throughput and CPU per request to the baseline's). On a host with cores to spare,
+`--router-cpus 0,1` pins every router to those cores and this script, the replicas and the load generator to the
+others, and `--drivers N` spreads the workers check's connections over N load-generator processes, so that only
+the router's cores limit its throughput.
 
 Run from the repository root, e.g. `python loadtest/router_cpu.py --baseline main` (a few minutes).
 """
@@ -564,37 +566,65 @@ async def drive_spread(port: int, concurrency: int, work: list[list[bytes]], dri
 
 
 async def workers_check(
-    args: argparse.Namespace, tree: Path, config: Path, systems: list[str], cpus: set[int] | None
+    args: argparse.Namespace,
+    trees: list[tuple[str, Path]],
+    config: Path,
+    systems: list[str],
+    cpus: set[int] | None,
 ) -> None:
+    """`--workers 2` against one, for each tree (this checkout, and the `--baseline` export if any): every repeat
+    starts fresh routers (warmed with `--warmup` requests, then timed over `--requests`), the trees' order
+    alternating repeat by repeat, so that a machine whose speed drifts treats both alike."""
     policy = args.workers_policy
     print()
     print(
         f"--workers 2 vs 1 ({policy}, {args.requests} tenants requests, median of {args.repeats}, "
         f"{args.drivers} load-generator process(es), routers on cores {sorted(cpus) if cpus else 'any'}):"
     )
-    results: dict[int, list[float]] = {}
-    for workers in (1, 2):
-        router = start_router(tree, "this", policy, config, workers=workers, cpus=cpus)
-        try:
-            await wait_ready(router.port)
-            await asyncio.sleep(1.0)
-            for repeat in range(args.repeats + 1):
-                bodies = [[b] for _, b in tenant_bodies(systems, args.requests, False, f"w{workers}-{repeat}")]
-                cpu_before = cpu_seconds(router.process.pid)
-                run, driver_cpu = await drive_spread(router.port, args.concurrency, bodies, args.drivers)
-                router_cpu = cpu_seconds(router.process.pid) - cpu_before
-                if repeat:  # the first is a warm-up
-                    results.setdefault(workers, []).append(run.requests / run.seconds)
-                    print(
-                        f"  {workers} worker(s), repeat {repeat}: {run.requests / run.seconds:,.0f} req/s, "
-                        f"{run.errors} errors; router {router_cpu / run.seconds:.2f} cores busy, "
-                        f"load generator {driver_cpu / run.seconds:.2f} cores"
-                    )
-        finally:
-            router.process.terminate()
-            router.process.wait(timeout=30)
-    one, two = statistics.median(results[1]), statistics.median(results[2])
-    print(f"  1 worker {one:,.0f} req/s, 2 workers {two:,.0f} req/s: {two / one:.2f}x (wall clock: machine-dependent)")
+    rates: dict[tuple[str, int], list[float]] = {}
+    costs: dict[tuple[str, int], list[float]] = {}
+    for repeat in range(args.repeats):
+        for label, tree in trees if repeat % 2 == 0 else trees[::-1]:
+            for workers in (1, 2):
+                router = start_router(tree, label, policy, config, workers=workers, cpus=cpus)
+                try:
+                    await wait_ready(router.port)
+                    await asyncio.sleep(1.0)
+                    salt = f"w{workers}-{label}-{repeat}"
+                    warm = [[b] for _, b in tenant_bodies(systems, args.warmup, False, salt + "-warm-up")]
+                    await drive_spread(router.port, args.concurrency, warm, args.drivers)
+                    bodies = [[b] for _, b in tenant_bodies(systems, args.requests, False, salt)]
+                    cpu_before = cpu_seconds(router.process.pid)
+                    run, driver_cpu = await drive_spread(router.port, args.concurrency, bodies, args.drivers)
+                    router_cpu = cpu_seconds(router.process.pid) - cpu_before
+                finally:
+                    router.process.terminate()
+                    router.process.wait(timeout=30)
+                rate = run.requests / run.seconds
+                rates.setdefault((label, workers), []).append(rate)
+                costs.setdefault((label, workers), []).append(1e6 * router_cpu / max(1, run.requests))
+                print(
+                    f"  {label}, {workers} worker(s), repeat {repeat + 1}: {rate:,.0f} req/s, {run.errors} errors; "
+                    f"router {router_cpu / run.seconds:.2f} cores busy, {costs[(label, workers)][-1]:,.0f} µs CPU "
+                    f"per request; load generator {driver_cpu / run.seconds:.2f} cores"
+                )
+    for label, _ in trees:
+        one, two = statistics.median(rates[(label, 1)]), statistics.median(rates[(label, 2)])
+        cost_one, cost_two = statistics.median(costs[(label, 1)]), statistics.median(costs[(label, 2)])
+        print(
+            f"  {label}: 1 worker {one:,.0f} req/s, 2 workers {two:,.0f} req/s: {two / one:.2f}x (wall clock: "
+            f"machine-dependent); CPU per request {cost_one:,.0f} and {cost_two:,.0f} µs ({cost_two / cost_one:.2f}x)"
+        )
+    if len(trees) == 2:
+        (this, _), (base, _) = trees
+        for workers in (1, 2):
+            pairs = zip(rates[(this, workers)], rates[(base, workers)], strict=True)
+            paired = statistics.median(a / b for a, b in pairs)
+            cost = statistics.median(a / b for a, b in zip(costs[(this, workers)], costs[(base, workers)], strict=True))
+            print(
+                f"  {this} against {base}, {workers} worker(s): throughput {paired:.2f}x, CPU per request "
+                f"{cost:.2f}x (medians of the repeats' paired ratios)"
+            )
 
 
 def run_bench(args: argparse.Namespace, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None) -> int:
@@ -644,7 +674,7 @@ def run_bench(args: argparse.Namespace, loop_factory: Callable[[], asyncio.Abstr
                     plain = Path(tmp) / "plain.yaml"
                     write_config(plain, ports, [], tokenizer_dir)
                     checked = config if args.workers_policy == "kv_aware" else plain
-                    runner.run(workers_check(args, REPO, checked, systems, router_cpus))
+                    runner.run(workers_check(args, trees, checked, systems, router_cpus))
         finally:
             for process in [*processes, *(r.process for r in routers)]:
                 process.terminate()
