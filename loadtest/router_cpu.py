@@ -394,12 +394,16 @@ async def wait_ready(port: int) -> None:
 
 
 def export_tree(ref: str, target: Path) -> Path:
-    """`ref` of this repository as a plain tree with its C extensions built (the baseline's router)."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
-    target.mkdir(parents=True)
-    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    """`ref` of this repository as a plain tree with its C extensions built (the baseline's router). `ref` may also
+    be a directory holding such a tree (`git archive REF` unpacked: for a host without the repository's history)."""
+    if Path(ref).is_dir():
+        shutil.copytree(ref, target, ignore=shutil.ignore_patterns("__pycache__", "*.so", "build"))
+    else:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
+        target.mkdir(parents=True)
+        subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
     # setup.py alone declares the extensions; an older setuptools refuses the copy's pyproject.toml metadata.
-    (target / "pyproject.toml").unlink()
+    (target / "pyproject.toml").unlink(missing_ok=True)
     subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=target, check=True, capture_output=True)
     return target
 
@@ -687,7 +691,9 @@ def run_bench(args: argparse.Namespace, loop_factory: Callable[[], asyncio.Abstr
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--baseline", metavar="REF", help="git revision to measure against (e.g. main)")
+    parser.add_argument(
+        "--baseline", metavar="REF", help="git revision to measure against (e.g. main), or a directory holding its tree"
+    )
     parser.add_argument("--policies", type=lambda s: s.split(","), default=["kv_aware", "round_robin"])
     parser.add_argument("--workloads", type=lambda s: s.split(","), default=["tenants", "multiturn"])
     parser.add_argument(
