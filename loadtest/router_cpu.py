@@ -604,13 +604,13 @@ async def workers_check(
                 finally:
                     router.process.terminate()
                     router.process.wait(timeout=30)
-                rate = run.requests / run.seconds
+                rate, cost = run.requests / run.seconds, 1e6 * router_cpu / max(1, run.requests)
                 rates.setdefault((label, workers), []).append(rate)
-                costs.setdefault((label, workers), []).append(1e6 * router_cpu / max(1, run.requests))
+                costs.setdefault((label, workers), []).append(cost)
                 print(
                     f"  {label}, {workers} worker(s), repeat {repeat + 1}: {rate:,.0f} req/s, {run.errors} errors; "
-                    f"router {router_cpu / run.seconds:.2f} cores busy, {costs[(label, workers)][-1]:,.0f} µs CPU "
-                    f"per request; load generator {driver_cpu / run.seconds:.2f} cores"
+                    f"router {router_cpu / run.seconds:.2f} cores busy, {cost:,.0f} µs CPU per request; "
+                    f"load generator {driver_cpu / run.seconds:.2f} cores"
                 )
     for label, _ in trees:
         one, two = statistics.median(rates[(label, 1)]), statistics.median(rates[(label, 2)])
@@ -621,13 +621,16 @@ async def workers_check(
         )
     if len(trees) == 2:
         (this, _), (base, _) = trees
+
+        def paired(series: dict[tuple[str, int], list[float]], workers: int) -> float:
+            """The median over repeats of this tree's figure over the baseline's (the same repeat's)."""
+            ours, theirs = series[(this, workers)], series[(base, workers)]
+            return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+
         for workers in (1, 2):
-            pairs = zip(rates[(this, workers)], rates[(base, workers)], strict=True)
-            paired = statistics.median(a / b for a, b in pairs)
-            cost = statistics.median(a / b for a, b in zip(costs[(this, workers)], costs[(base, workers)], strict=True))
             print(
-                f"  {this} against {base}, {workers} worker(s): throughput {paired:.2f}x, CPU per request "
-                f"{cost:.2f}x (medians of the repeats' paired ratios)"
+                f"  {this} against {base}, {workers} worker(s): throughput {paired(rates, workers):.2f}x, CPU per "
+                f"request {paired(costs, workers):.2f}x (medians of the repeats' paired ratios)"
             )
 
 
