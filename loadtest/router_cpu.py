@@ -615,9 +615,14 @@ async def workers_check(
     for label, _ in trees:
         one, two = statistics.median(rates[(label, 1)]), statistics.median(rates[(label, 2)])
         cost_one, cost_two = statistics.median(costs[(label, 1)]), statistics.median(costs[(label, 2)])
+        each = sorted(b / a for a, b in zip(rates[(label, 1)], rates[(label, 2)], strict=True))
         print(
             f"  {label}: 1 worker {one:,.0f} req/s, 2 workers {two:,.0f} req/s: {two / one:.2f}x (wall clock: "
             f"machine-dependent); CPU per request {cost_one:,.0f} and {cost_two:,.0f} µs ({cost_two / cost_one:.2f}x)"
+        )
+        print(
+            f"  {label}: 2 workers over 1, repeat by repeat: {statistics.median(each):.2f}x median "
+            f"({', '.join(f'{r:.2f}' for r in each)})"
         )
     if len(trees) == 2:
         (this, _), (base, _) = trees
