@@ -332,14 +332,16 @@ async def _serve(relay: Relay, fleet: FleetConfig) -> None:
         loop.add_signal_handler(signum, stop.set)
     context = zmq.asyncio.Context()
     context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
-    task = asyncio.create_task(serve_relay(relay, fleet, context=context))
-    await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    with contextlib.suppress(RedisError, OSError):
-        await asyncio.wait_for(relay.flush(), 5.0)
-    context.destroy(linger=0)
+    try:
+        task = asyncio.create_task(serve_relay(relay, fleet, context=context))
+        await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(RedisError, OSError):
+            await asyncio.wait_for(relay.flush(), 5.0)
+    finally:
+        context.destroy(linger=0)  # on every way out: never term()ed by the garbage collector
     await relay.redis.aclose()
 
 

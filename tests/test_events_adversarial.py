@@ -217,11 +217,15 @@ def test_allow_list_matching() -> None:
     assert allowed(networks, "fd00::1")
     assert not allowed(networks, "not an address")
     refusals: list[str] = []
-    guard = PeerAllowList(zmq.asyncio.Context.instance(), ["127.0.0.2"], on_refused=refusals.append)
-    assert guard.answer([b"1.0", b"7", b"d", b"127.0.0.2", b"", b"NULL"])[2] == b"200"
-    assert guard.answer([b"1.0", b"8", b"d", b"127.0.0.1", b"", b"NULL"])[2] == b"400"
-    assert guard.answer([b"1.0"])[2] == b"500"
-    assert refusals == ["127.0.0.1"]
+    context = zmq.asyncio.Context()  # its own, terminated here (not the process-wide Context.instance())
+    try:
+        guard = PeerAllowList(context, ["127.0.0.2"], on_refused=refusals.append)
+        assert guard.answer([b"1.0", b"7", b"d", b"127.0.0.2", b"", b"NULL"])[2] == b"200"
+        assert guard.answer([b"1.0", b"8", b"d", b"127.0.0.1", b"", b"NULL"])[2] == b"400"
+        assert guard.answer([b"1.0"])[2] == b"500"
+        assert refusals == ["127.0.0.1"]
+    finally:
+        context.term()
 
 
 async def test_a_bound_socket_with_an_allow_list_hears_only_allowed_peers(context: zmq.asyncio.Context) -> None:

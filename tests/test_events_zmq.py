@@ -43,12 +43,17 @@ class FakeEngine:
         self, context: zmq.asyncio.Context, *, bind_pub: bool, pub: str, replay: str, topic_frame: bool = True
     ) -> None:
         self.pub = context.socket(zmq.PUB)
-        if bind_pub:
-            self.pub.bind(pub)
-        else:
-            self.pub.connect(pub)
         self.router = context.socket(zmq.ROUTER)
-        self.router.bind(replay)
+        try:
+            if bind_pub:
+                self.pub.bind(pub)
+            else:
+                self.pub.connect(pub)
+            self.router.bind(replay)
+        except zmq.ZMQError:  # a port taken meanwhile: the caller may try others, these are closed now
+            self.pub.close(linger=0)
+            self.router.close(linger=0)
+            raise
         self.buffer: dict[int, bytes] = {}
         self.topic_frame = topic_frame
         self.replay_requests: list[int] = []
@@ -174,17 +179,19 @@ async def test_data_parallel_ranks_are_tracked_apart_and_async_sinks_are_awaited
     context: zmq.asyncio.Context,
 ) -> None:
     base = free_port()
-    while True:
+    engines: list[FakeEngine] = []
+    while len(engines) < 2:
+        r = len(engines)
         try:
-            engines = [
+            engines.append(
                 FakeEngine(
                     context, bind_pub=True, pub=f"tcp://127.0.0.1:{base + r}", replay=f"tcp://127.0.0.1:{base + 10 + r}"
                 )
-                for r in range(2)
-            ]
-            break
+            )
         except zmq.ZMQError:
-            base = free_port()
+            for engine in engines:  # rank 0's sockets and replay task, when rank 1's ports were taken
+                await engine.close()
+            engines, base = [], free_port()
     seen: list[EventBatch] = []
 
     async def sink(batch: EventBatch) -> None:

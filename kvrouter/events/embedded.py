@@ -171,8 +171,12 @@ class EmbeddedEvents:
         self._followed_since.pop(replica, None)
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # a failed source must not stop the others (nor `stop` destroying the context)
+                log.exception("the KV-event source of %s had failed", replica)
         if forget:
             self.index.clear(replica)
             tell_cleared(self.ingest.listeners, replica, self.clock())
@@ -192,11 +196,15 @@ class EmbeddedEvents:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
             self._watch = None
-        for name in list(self._tasks):
-            await self.unfollow(name, forget=False)
-        if self._context is not None:
-            self._context.destroy(linger=0)
-            self._context = None
+        try:
+            for name in list(self._tasks):
+                await self.unfollow(name, forget=False)
+        finally:
+            # Never left to the garbage collector: pyzmq's finalizer of a context collected together with one of
+            # its open sockets blocks the collecting thread in term() for good.
+            if self._context is not None:
+                self._context.destroy(linger=0)
+                self._context = None
 
     async def context(self, app: web.Application) -> AsyncIterator[None]:
         await self.start()

@@ -30,7 +30,9 @@ authenticate, so an address check (or a network policy, or an ipc:// endpoint's 
 
 Nothing stops the task but cancellation: a malformed frame or event is counted by `(replica, type, reason)`
 through `on_problem`, logged at most once per `log_every_s` per reason, and skipped; a socket error closes and
-reopens the sockets after `reconnect_s`.
+reopens the sockets after `reconnect_s`, and so does an endpoint that cannot be bound or connected yet (a port
+still held). Every socket and the allow-list's context are closed on every way out, never left to the garbage
+collector: pyzmq's finalizer of a context collected together with one of its open sockets waits in term() forever.
 
 Knobs: `replay_timeout_s` (wait for each replay reply), `recheck_s`, `data_parallel_size` (rank r of a connecting source
 publishes and replays on the configured ports + r, as vLLM assigns them), `rcv_hwm` (messages the SUB socket
@@ -189,8 +191,12 @@ class ZmqEventSource:
             await self._follow(guard.context if guard is not None else self.context)
         finally:
             if guard is not None:
-                await guard.stop()
-                guard.context.destroy(linger=0)
+                # Destroyed even when a second cancellation interrupts the stop: a context left to the garbage
+                # collector with a socket still open blocks the collecting thread in term() for good.
+                try:
+                    await guard.stop()
+                finally:
+                    guard.context.destroy(linger=0)
 
     def _guard(self) -> PeerAllowList | None:
         """A bound socket with an allow-list gets a context of its own with a ZAP handler (one per context)."""
@@ -199,7 +205,11 @@ class ZmqEventSource:
         context = zmq.asyncio.Context()
         context.setsockopt(zmq.LINGER, 0)
         guard = PeerAllowList(context, self.config.allow_from, on_refused=self._refused)
-        guard.start()
+        try:
+            guard.start()
+        except BaseException:
+            context.destroy(linger=0)
+            raise
         return guard
 
     def _refused(self, peer: str) -> None:
@@ -207,7 +217,18 @@ class ZmqEventSource:
 
     async def _follow(self, context: zmq.asyncio.Context) -> None:
         while True:
-            socket = self._open(context)
+            try:
+                socket = self._open(context)
+            except zmq.ZMQError as error:  # e.g. a bound endpoint's port still held by another process
+                self.log.warning(
+                    f"socket:{self.replica}",
+                    "kv events from %s: cannot open %s (%s); retrying",
+                    self.replica,
+                    self.config.endpoint,
+                    error,
+                )
+                await asyncio.sleep(self.reconnect_s)
+                continue
             worked_since = self.clock()
             try:
                 self.connected.set()
@@ -245,16 +266,22 @@ class ZmqEventSource:
 
     def _open(self, context: zmq.asyncio.Context) -> zmq.asyncio.Socket:
         socket = context.socket(zmq.SUB)
-        socket.setsockopt(zmq.RCVHWM, self.rcv_hwm)
-        if self.config.bind and self.config.allow_from is not None:
-            socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
-        socket.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
-        for rank in range(self.data_parallel_size):
-            endpoint = offset_endpoint(self.config.endpoint, rank)
-            if self.config.bind:
-                socket.bind(endpoint)
-            else:
-                socket.connect(endpoint)
+        try:
+            socket.setsockopt(zmq.RCVHWM, self.rcv_hwm)
+            if self.config.bind and self.config.allow_from is not None:
+                socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+            socket.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
+            for rank in range(self.data_parallel_size):
+                endpoint = offset_endpoint(self.config.endpoint, rank)
+                if self.config.bind:
+                    socket.bind(endpoint)
+                else:
+                    socket.connect(endpoint)
+        except BaseException:
+            # Closed here: left open, it would outlive this call only in the traceback, and a context collected
+            # together with an open socket of its own never finishes term().
+            socket.close(linger=0)
+            raise
         return socket
 
     # ---- one message --------------------------------------------------------------------------------------
