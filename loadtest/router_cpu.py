@@ -590,7 +590,8 @@ async def workers_check(
     for repeat in range(args.repeats):
         for label, tree in trees if repeat % 2 == 0 else trees[::-1]:
             for workers in (1, 2):
-                router = start_router(tree, label, policy, config, workers=workers, cpus=cpus)
+                settings = tuple(args.setting) if label == "this" else ()
+                router = start_router(tree, label, policy, config, settings=settings, workers=workers, cpus=cpus)
                 try:
                     await wait_ready(router.port)
                     await asyncio.sleep(1.0)
