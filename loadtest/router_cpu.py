@@ -27,7 +27,9 @@ replicas' publishers), fresh routers each repeat, for the baseline too when one 
 ratios of this checkout's throughput and CPU per request to the baseline's). On a host with cores to spare,
 `--router-cpus 0,1` pins every router to those cores and this script, the replicas and the load generator to the
 others, and `--drivers N` spreads the workers check's connections over N load-generator processes, so that only
-the router's cores limit its throughput.
+the router's cores limit its throughput. `--workers-apart` adds a third leg: two independent one-worker routers
+(no shared load), each on its own port with half the load generators; `--workers 2`'s CPU per request over
+theirs is what the workers' sharing costs beyond two busy router processes on the same cores.
 
 Run from the repository root, e.g. `python loadtest/router_cpu.py --baseline main` (a few minutes).
 """
@@ -549,24 +551,37 @@ def _drive_share(port: int, concurrency: int, work: list[list[bytes]]) -> Run:
     return asyncio.run(drive(port, concurrency, work))
 
 
-async def drive_spread(port: int, concurrency: int, work: list[list[bytes]], drivers: int) -> tuple[Run, float]:
-    """`drive` over `drivers` processes (the connections and the bodies split evenly); with one, in this loop.
-    Returns the run (wall time: the slowest driver's) and the load generators' CPU seconds."""
+async def drive_spread(
+    port: int | list[int], concurrency: int, work: list[list[bytes]], drivers: int
+) -> tuple[Run, float]:
+    """`drive` over `drivers` processes (the connections and the bodies split evenly; driver i sends to port
+    i mod the ports given); with one driver and one port, in this loop. Returns the run (wall time: the slowest
+    driver's) and the load generators' CPU seconds."""
+    ports = port if isinstance(port, list) else [port]
     before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    if drivers <= 1:
-        run = await drive(port, concurrency, work)
+    if drivers <= 1 and len(ports) == 1:
+        run = await drive(ports[0], concurrency, work)
     else:
+        drivers = max(drivers, len(ports))
         shares = [work[i::drivers] for i in range(drivers)]
         context = multiprocessing.get_context("fork")
         with concurrent.futures.ProcessPoolExecutor(drivers, mp_context=context) as pool:
             loop = asyncio.get_running_loop()
+            each = max(1, concurrency // drivers)
             runs = await asyncio.gather(
-                *(loop.run_in_executor(pool, _drive_share, port, max(1, concurrency // drivers), s) for s in shares)
+                *(
+                    loop.run_in_executor(pool, _drive_share, ports[i % len(ports)], each, share)
+                    for i, share in enumerate(shares)
+                )
             )
         run = Run(sum(r.requests for r in runs), max(r.seconds for r in runs), sum(r.errors for r in runs))
     after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before, strict=True))
     return run, cpu
+
+
+APART = 3  # the workers check's third leg: two independent one-worker routers, each on its own port
+LEG_NAMES = {1: "1 worker(s)", 2: "2 worker(s)", APART: "2 routers apart"}
 
 
 async def workers_check(
@@ -585,31 +600,41 @@ async def workers_check(
         f"--workers 2 vs 1 ({policy}, {args.requests} tenants requests, median of {args.repeats}, "
         f"{args.drivers} load-generator process(es), routers on cores {sorted(cpus) if cpus else 'any'}):"
     )
+    legs = [1, 2, APART] if args.workers_apart else [1, 2]
     rates: dict[tuple[str, int], list[float]] = {}
     costs: dict[tuple[str, int], list[float]] = {}
     for repeat in range(args.repeats):
         for label, tree in trees if repeat % 2 == 0 else trees[::-1]:
-            for workers in (1, 2):
+            for leg in legs:
                 settings = tuple(args.setting) if label == "this" else ()
-                router = start_router(tree, label, policy, config, settings=settings, workers=workers, cpus=cpus)
+                routers = [
+                    start_router(
+                        tree, label, policy, config, settings=settings, workers=1 if leg == APART else leg, cpus=cpus
+                    )
+                    for _ in range(2 if leg == APART else 1)
+                ]
+                ports = [router.port for router in routers]
                 try:
-                    await wait_ready(router.port)
+                    for router in routers:
+                        await wait_ready(router.port)
                     await asyncio.sleep(1.0)
-                    salt = f"w{workers}-{label}-{repeat}"
+                    salt = f"w{leg}-{label}-{repeat}"
                     warm = [[b] for _, b in tenant_bodies(systems, args.warmup, False, salt + "-warm-up")]
-                    await drive_spread(router.port, args.concurrency, warm, args.drivers)
+                    await drive_spread(ports, args.concurrency, warm, args.drivers)
                     bodies = [[b] for _, b in tenant_bodies(systems, args.requests, False, salt)]
-                    cpu_before = cpu_seconds(router.process.pid)
-                    run, driver_cpu = await drive_spread(router.port, args.concurrency, bodies, args.drivers)
-                    router_cpu = cpu_seconds(router.process.pid) - cpu_before
+                    cpu_before = sum(cpu_seconds(router.process.pid) for router in routers)
+                    run, driver_cpu = await drive_spread(ports, args.concurrency, bodies, args.drivers)
+                    router_cpu = sum(cpu_seconds(router.process.pid) for router in routers) - cpu_before
                 finally:
-                    router.process.terminate()
-                    router.process.wait(timeout=30)
+                    for router in routers:
+                        router.process.terminate()
+                    for router in routers:
+                        router.process.wait(timeout=30)
                 rate, cost = run.requests / run.seconds, 1e6 * router_cpu / max(1, run.requests)
-                rates.setdefault((label, workers), []).append(rate)
-                costs.setdefault((label, workers), []).append(cost)
+                rates.setdefault((label, leg), []).append(rate)
+                costs.setdefault((label, leg), []).append(cost)
                 print(
-                    f"  {label}, {workers} worker(s), repeat {repeat + 1}: {rate:,.0f} req/s, {run.errors} errors; "
+                    f"  {label}, {LEG_NAMES[leg]}, repeat {repeat + 1}: {rate:,.0f} req/s, {run.errors} errors; "
                     f"router {router_cpu / run.seconds:.2f} cores busy, {cost:,.0f} µs CPU per request; "
                     f"load generator {driver_cpu / run.seconds:.2f} cores"
                 )
@@ -625,6 +650,14 @@ async def workers_check(
             f"  {label}: 2 workers over 1, repeat by repeat: {statistics.median(each):.2f}x median "
             f"({', '.join(f'{r:.2f}' for r in each)})"
         )
+        if args.workers_apart:
+            apart = [a / b for a, b in zip(costs[(label, 2)], costs[(label, APART)], strict=True)]
+            print(
+                f"  {label}: two independent routers {statistics.median(rates[(label, APART)]):,.0f} req/s, CPU per "
+                f"request {statistics.median(costs[(label, APART)]):,.0f} µs; --workers 2's CPU per request over "
+                f"theirs, repeat by repeat: {statistics.median(apart):.2f}x median "
+                f"({', '.join(f'{r:.2f}' for r in sorted(apart))}) (what sharing costs beyond two busy routers)"
+            )
     if len(trees) == 2:
         (this, _), (base, _) = trees
 
@@ -733,6 +766,11 @@ def main() -> int:
     parser.add_argument("--workers-check", action="store_true", help="also --workers 2 vs 1 throughput")
     parser.add_argument("--workers-policy", default="round_robin", help="the workers check's policy")
     parser.add_argument("--drivers", type=int, default=1, help="load-generator processes in the workers check")
+    parser.add_argument(
+        "--workers-apart",
+        action="store_true",
+        help="the workers check also runs two independent one-worker routers (no shared load), half the load each",
+    )
     parser.add_argument("--router-cpus", help="pin the routers to these cores (e.g. 0,1), the rest to the others")
     parser.add_argument("--serve-replicas", help=argparse.SUPPRESS)
     parser.add_argument("--event-ports", default="", help=argparse.SUPPRESS)
