@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import socket as pysocket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,15 +27,7 @@ from kvrouter.events.metrics import EventMetrics
 from kvrouter.events.wire import EventBatch
 from kvrouter.events.zmq_source import ZmqEventSource
 from kvrouter.index import PrefixIndex
-from tests.test_events_zmq import FakeEngine, free_port, warm_up
-
-
-@pytest.fixture
-async def context() -> AsyncIterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    ctx.setsockopt(zmq.LINGER, 0)
-    yield ctx
-    ctx.destroy(linger=0)
+from tests.test_events_zmq import FakeEngine, context, free_port, warm_up  # noqa: F401  (fixture)
 
 
 @pytest.fixture
@@ -50,7 +42,9 @@ def held_port() -> Iterator[pysocket.socket]:
 
 @pytest.mark.parametrize("allow_from", [None, ["127.0.0.1"]])
 async def test_a_bound_endpoint_still_held_is_retried_not_a_dead_source(
-    context: zmq.asyncio.Context, held_port: pysocket.socket, allow_from: list[str] | None
+    context: zmq.asyncio.Context,  # noqa: F811
+    held_port: pysocket.socket,
+    allow_from: list[str] | None,
 ) -> None:
     """Finding: a bind that failed (the port still held) ended the source, its SUB socket left open for the
     garbage collector. Now the socket is closed at once and the bind retried until the port is free."""
@@ -104,5 +98,5 @@ async def test_stop_terminates_the_context_even_after_a_source_failed(
     await asyncio.sleep(0.05)
     with caplog.at_level(logging.ERROR, logger="kvrouter.events.embedded"):
         await events.stop()
-    assert len(contexts) == 2 and all(context.closed for context in contexts)
+    assert len(contexts) == 2 and all(ctx.closed for ctx in contexts)
     assert "source a failed" in caplog.text
