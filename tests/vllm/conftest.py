@@ -103,9 +103,16 @@ def pd_router(pd_pair: tuple[PdServer, PdServer], tiny_model: Path, vllm_workdir
     prefill, decode = pd_pair
     fleet = write_pd_replicas_yaml(vllm_workdir / "replicas-pd.yaml", prefill, decode, tiny_model, mode="always")
     # Probes every 2 s (each may take 2 s): a starved CI machine must not open a replica's breaker (three failed
-    # probes) mid-test, which would serve the split request whole on the other engine.
+    # probes) mid-test, which would serve the split request whole on the other engine. For the same reason the
+    # connect timeout is 30 s, not 5: in a CI run the router, starved beside the two NIXL engines (its probes of
+    # both timing out too), gave up connecting to the decode worker after 5 s and ran the request whole on the
+    # prefill worker (a decode leg whose connection fails keeps that worker out of the retry).
     router = RouterProcess(
-        fleet, vllm_workdir, name="router-pd", extra_args=("--policy", "kv_aware", "--health-interval", "2")
+        fleet,
+        vllm_workdir,
+        name="router-pd",
+        extra_args=("--policy", "kv_aware", "--health-interval", "2"),
+        extra_env={"KVROUTER_CONNECT_TIMEOUT_S": "30"},
     )
     router.start()
     try:
