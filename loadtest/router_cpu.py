@@ -551,13 +551,10 @@ def _drive_share(port: int, concurrency: int, work: list[list[bytes]]) -> Run:
     return asyncio.run(drive(port, concurrency, work))
 
 
-async def drive_spread(
-    port: int | list[int], concurrency: int, work: list[list[bytes]], drivers: int
-) -> tuple[Run, float]:
+async def drive_spread(ports: list[int], concurrency: int, work: list[list[bytes]], drivers: int) -> tuple[Run, float]:
     """`drive` over `drivers` processes (the connections and the bodies split evenly; driver i sends to port
     i mod the ports given); with one driver and one port, in this loop. Returns the run (wall time: the slowest
     driver's) and the load generators' CPU seconds."""
-    ports = port if isinstance(port, list) else [port]
     before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     if drivers <= 1 and len(ports) == 1:
         run = await drive(ports[0], concurrency, work)
@@ -580,8 +577,23 @@ async def drive_spread(
     return run, cpu
 
 
-APART = 3  # the workers check's third leg: two independent one-worker routers, each on its own port
-LEG_NAMES = {1: "1 worker(s)", 2: "2 worker(s)", APART: "2 routers apart"}
+@dataclass(frozen=True)
+class Leg:
+    """One leg of the workers check: `routers` routers of `workers` workers each, the load spread over them."""
+
+    name: str
+    routers: int
+    workers: int
+    salt: str  # seeds the leg's bodies
+
+
+ONE, TWO = Leg("1 worker(s)", 1, 1, "w1"), Leg("2 worker(s)", 1, 2, "w2")
+APART = Leg("2 routers apart", 2, 1, "w3")  # two independent one-worker routers (no shared load), each on its own port
+
+
+def ratios(numerators: list[float], denominators: list[float]) -> list[float]:
+    """Repeat by repeat, sorted: the paired ratios whose median the workers check reports."""
+    return sorted(a / b for a, b in zip(numerators, denominators, strict=True))
 
 
 async def workers_check(
@@ -600,25 +612,23 @@ async def workers_check(
         f"--workers 2 vs 1 ({policy}, {args.requests} tenants requests, median of {args.repeats}, "
         f"{args.drivers} load-generator process(es), routers on cores {sorted(cpus) if cpus else 'any'}):"
     )
-    legs = [1, 2, APART] if args.workers_apart else [1, 2]
-    rates: dict[tuple[str, int], list[float]] = {}
-    costs: dict[tuple[str, int], list[float]] = {}
+    legs = [ONE, TWO, APART] if args.workers_apart else [ONE, TWO]
+    rates: dict[tuple[str, Leg], list[float]] = {}
+    costs: dict[tuple[str, Leg], list[float]] = {}
     for repeat in range(args.repeats):
         for label, tree in trees if repeat % 2 == 0 else trees[::-1]:
+            settings = tuple(args.setting) if label == "this" else ()
             for leg in legs:
-                settings = tuple(args.setting) if label == "this" else ()
                 routers = [
-                    start_router(
-                        tree, label, policy, config, settings=settings, workers=1 if leg == APART else leg, cpus=cpus
-                    )
-                    for _ in range(2 if leg == APART else 1)
+                    start_router(tree, label, policy, config, settings=settings, workers=leg.workers, cpus=cpus)
+                    for _ in range(leg.routers)
                 ]
                 ports = [router.port for router in routers]
                 try:
                     for router in routers:
                         await wait_ready(router.port)
                     await asyncio.sleep(1.0)
-                    salt = f"w{leg}-{label}-{repeat}"
+                    salt = f"{leg.salt}-{label}-{repeat}"
                     warm = [[b] for _, b in tenant_bodies(systems, args.warmup, False, salt + "-warm-up")]
                     await drive_spread(ports, args.concurrency, warm, args.drivers)
                     bodies = [[b] for _, b in tenant_bodies(systems, args.requests, False, salt)]
@@ -634,14 +644,14 @@ async def workers_check(
                 rates.setdefault((label, leg), []).append(rate)
                 costs.setdefault((label, leg), []).append(cost)
                 print(
-                    f"  {label}, {LEG_NAMES[leg]}, repeat {repeat + 1}: {rate:,.0f} req/s, {run.errors} errors; "
+                    f"  {label}, {leg.name}, repeat {repeat + 1}: {rate:,.0f} req/s, {run.errors} errors; "
                     f"router {router_cpu / run.seconds:.2f} cores busy, {cost:,.0f} µs CPU per request; "
                     f"load generator {driver_cpu / run.seconds:.2f} cores"
                 )
     for label, _ in trees:
-        one, two = statistics.median(rates[(label, 1)]), statistics.median(rates[(label, 2)])
-        cost_one, cost_two = statistics.median(costs[(label, 1)]), statistics.median(costs[(label, 2)])
-        each = sorted(b / a for a, b in zip(rates[(label, 1)], rates[(label, 2)], strict=True))
+        one, two = statistics.median(rates[(label, ONE)]), statistics.median(rates[(label, TWO)])
+        cost_one, cost_two = statistics.median(costs[(label, ONE)]), statistics.median(costs[(label, TWO)])
+        each = ratios(rates[(label, TWO)], rates[(label, ONE)])
         print(
             f"  {label}: 1 worker {one:,.0f} req/s, 2 workers {two:,.0f} req/s: {two / one:.2f}x (wall clock: "
             f"machine-dependent); CPU per request {cost_one:,.0f} and {cost_two:,.0f} µs ({cost_two / cost_one:.2f}x)"
@@ -651,25 +661,24 @@ async def workers_check(
             f"({', '.join(f'{r:.2f}' for r in each)})"
         )
         if args.workers_apart:
-            apart = [a / b for a, b in zip(costs[(label, 2)], costs[(label, APART)], strict=True)]
+            apart = ratios(costs[(label, TWO)], costs[(label, APART)])
             print(
                 f"  {label}: two independent routers {statistics.median(rates[(label, APART)]):,.0f} req/s, CPU per "
                 f"request {statistics.median(costs[(label, APART)]):,.0f} µs; --workers 2's CPU per request over "
                 f"theirs, repeat by repeat: {statistics.median(apart):.2f}x median "
-                f"({', '.join(f'{r:.2f}' for r in sorted(apart))}) (what sharing costs beyond two busy routers)"
+                f"({', '.join(f'{r:.2f}' for r in apart)}) (what sharing costs beyond two busy routers)"
             )
     if len(trees) == 2:
         (this, _), (base, _) = trees
 
-        def paired(series: dict[tuple[str, int], list[float]], workers: int) -> float:
+        def paired(series: dict[tuple[str, Leg], list[float]], leg: Leg) -> float:
             """The median over repeats of this tree's figure over the baseline's (the same repeat's)."""
-            ours, theirs = series[(this, workers)], series[(base, workers)]
-            return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+            return statistics.median(ratios(series[(this, leg)], series[(base, leg)]))
 
-        for workers in (1, 2):
+        for leg in legs:
             print(
-                f"  {this} against {base}, {workers} worker(s): throughput {paired(rates, workers):.2f}x, CPU per "
-                f"request {paired(costs, workers):.2f}x (medians of the repeats' paired ratios)"
+                f"  {this} against {base}, {leg.name}: throughput {paired(rates, leg):.2f}x, CPU per "
+                f"request {paired(costs, leg):.2f}x (medians of the repeats' paired ratios)"
             )
 
 
