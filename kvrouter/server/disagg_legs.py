@@ -18,10 +18,13 @@ Failures never reach the client as a hang or a duplicated answer: a prefill work
 answers 5xx or 429, stalls past `prefill_timeout_s`, or answers without transfer parameters is charged like any
 replica fault and the leg is tried on another prefill worker, then given up — the request then runs whole on a
 decode-capable replica (counted in `kvrouter_pd_fallbacks_total`). A prefill 4xx other than 429 is the request's
-own fault (a prompt too long, a bad field) and goes back to the client as the engine sent it. A decode worker that
-rejects the transfer (or fails before its first byte) is retried by the proxy's loop with the whole request, on
-another decode-capable replica. A client that disconnects during the prefill leg cancels it (the connection to the
-prefill worker closes, which makes vLLM abort the request); during the decode leg, as for any request.
+own fault (a prompt too long, a bad field) and goes back to the client as the engine sent it. A decode leg whose
+connection fails (refused, or timed out connecting: nothing reached the decode worker) is sent once more to the
+same worker by the proxy, committed anew, since the prefill worker holds the prompt's KV for it (counted in
+`kvrouter_pd_decode_retries_total`). A decode worker that rejects the transfer (or fails before its first byte, that
+retry included) is retried by the proxy's loop with the whole request, on another decode-capable replica. A client
+that disconnects during the prefill leg cancels it (the connection to the prefill worker closes, which makes vLLM
+abort the request); during the decode leg, as for any request.
 
 A client's own `kv_transfer_params` are refused (400) in a disaggregated fleet: they address engines' KV memory,
 and only the router may set them there.
@@ -157,6 +160,16 @@ class PdMetrics:
             "Split requests that ran whole instead, by reason (prefill_failed: every prefill worker tried failed; "
             "decode_refused: the decode worker refused the transfer before its first byte).",
             ["reason"],
+            registry=registry,
+        )
+        self.decode_retries = Counter(
+            "kvrouter_pd_decode_retries",
+            "Decode legs sent once more to their decode worker after a connection that failed before anything was "
+            "sent (refused, or timed out connecting), by outcome (ok: it answered, the split kept; refused: it "
+            "answered but refused the transfer; failed: no answer again; not_routable: not sent, the failure opened "
+            "its breaker or it is draining). All but ok then run the request whole, as any refused decode leg or "
+            "connect failure does.",
+            ["outcome"],
             registry=registry,
         )
 

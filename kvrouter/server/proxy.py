@@ -5,7 +5,8 @@ the replica the policy picks, its body as the client sent it (inflated) unless `
 header's band into its `priority` (`kvrouter.server.priority_field`). Connect failures, stalls, redirects, 5xx and
 429 answers are retried on another replica — only while nothing has been written to the client; which of those
 count against the replica's breaker is decided in `kvrouter.server.replicas` (a 5xx that a second replica repeats
-is the request's, not theirs). The answer
+is the request's, not theirs); a split request's decode leg whose connect failed is first sent once more to its own
+decode worker, which the prefill worker's KV is waiting for (`_retry_decode`). The answer
 is relayed as it arrives: SSE chunk by chunk (the first chunk is awaited before anything reaches the client, so a
 stream that never starts is retried too), JSON bodies whole and unchanged up to `max_upstream_body_bytes` (502 past
 it). A non-streaming request of the common shape is fetched as a stream and its JSON answer assembled as the replica
@@ -57,6 +58,7 @@ from kvrouter.metrics import RouterMetrics
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
 from kvrouter.routing.adapters import serves
 from kvrouter.routing.adapters import unavailable as adapter_unavailable
+from kvrouter.routing.disagg import PdPlan
 from kvrouter.routing.lifecycle import Routed
 from kvrouter.routing.load import LoadBook, Ticket
 from kvrouter.routing.router import Router, RoutingFacts
@@ -112,6 +114,8 @@ class Refused:
     headers: CIMultiDict[str] | None = None
     server_error: bool = False
     """A 5xx answer, not yet charged to the replica: whose fault it is depends on what other replicas answer."""
+    unsent: bool = False
+    """The connection failed (refused, or timed out connecting): the request provably never reached the replica."""
 
 
 class RelayedStream(web.StreamResponse):
@@ -362,6 +366,7 @@ class Proxy:
         legs = self.legs if self.legs is not None and self.legs.active else None
         for attempt in range(self.settings.max_retries + 1):
             leg_parsed, leg_raw = parsed, raw
+            split: PdPlan | None = None
             if attempt == 0 and admission is not None and admission.dispatched is not None:
                 # Queued, then dispatched by the gate: it chose the replica and committed when capacity freed.
                 replica, routed = admission.dispatched.replica, admission.dispatched.routed
@@ -371,7 +376,7 @@ class Proxy:
                     return first
                 if first is None:
                     break
-                replica, routed, leg_parsed, leg_raw = first
+                replica, routed, leg_parsed, leg_raw, split = first
             else:
                 candidates = [r for r in self.replicas.routable(exclude=tried) if serves(r.route, facts.lora)]
                 if legs is not None:
@@ -393,32 +398,20 @@ class Proxy:
                 body = f" body {raw[:1000]!r}" if self.settings.log_prompts else ""
                 log.debug("request %s -> %s, predicted cached %d%s", request_id, replica.name, predicted, body)
             tried.append(replica.name)
-            answer = self._answer_plan(leg_parsed, replica)
-            replica.begin_attempt()
-            try:
-                outcome = await self._forward(
-                    request,
-                    leg_raw,
-                    route,
-                    replica,
-                    routed,
-                    request_id,
-                    start,
-                    stream=parsed.stream,
-                    answer=answer,
-                    decode_leg=routed.leg == "decode",
+            outcome = await self._attempt(request, leg_parsed, leg_raw, replica, routed, request_id, start)
+            if legs is not None and split is not None and isinstance(outcome, Refused) and outcome.unsent:
+                outcome, retried = await self._retry_decode(
+                    legs, split, facts, request, leg_parsed, leg_raw, replica, request_id, start, outcome
                 )
-            finally:
-                replica.end_attempt()
-                routed.finish(self.clock())
+                routed = retried or routed
             if not isinstance(outcome, Refused):
                 self._settle_5xx(answered_5xx, answered_elsewhere=True)
                 return outcome
             refused = outcome
             if legs is not None and routed.leg == "decode" and outcome.status:
                 # The decode worker answered that the transfer failed (the prefill worker died after answering, or
-                # lost the blocks): the retry runs the request whole, and that worker may take it (a refused
-                # connection, by contrast, keeps it excluded). Not charged as a 5xx of its own.
+                # lost the blocks): the retry runs the request whole, and that worker may take it (a failed
+                # connection, by contrast, keeps it excluded once its own retry failed). Not charged as a 5xx.
                 legs.metrics.fallbacks.labels("decode_refused").inc()
                 tried.remove(replica.name)
             elif outcome.server_error:
@@ -447,10 +440,10 @@ class Proxy:
         facts: RoutingFacts,
         request_id: str,
         start: float,
-    ) -> web.StreamResponse | tuple[ReplicaState, Routed, ParsedRequest, bytes] | None:
+    ) -> web.StreamResponse | tuple[ReplicaState, Routed, ParsedRequest, bytes, PdPlan | None] | None:
         """The first attempt in a disaggregated fleet: the plan, the prefill leg of a split request, and the
-        answer's leg committed (the decode leg with the transfer parameters, or the request whole). A response:
-        the prefill worker's 4xx for the request; None: no replica is routable."""
+        answer's leg committed (the decode leg with the transfer parameters and its plan, or the request whole and
+        None). A response: the prefill worker's 4xx for the request; None: no replica is routable."""
         routable = [state for state in self.replicas.routable() if serves(state.route, facts.lora)]
         if not routable:
             return None
@@ -473,7 +466,7 @@ class Proxy:
             if outcome.params is not None and decode is not None and decode.routable:
                 leg_parsed, leg_raw = decode_request(parsed, outcome.params)
                 routed = legs.planner.commit_decode(plan, facts, decode.route, arrival=start)
-                return decode, routed, leg_parsed, leg_raw
+                return decode, routed, leg_parsed, leg_raw, plan
         # Served whole: the plan's replica, or (the prefill leg failed) the best decode-capable one now.
         if plan.split:
             candidates = legs.decode_capable(
@@ -485,7 +478,68 @@ class Proxy:
         else:
             decision = plan.decode
         replica = self.replicas.by_name[decision.chosen]
-        return replica, self.router.commit(decision, facts, replica.route, arrival=start), parsed, raw
+        return replica, self.router.commit(decision, facts, replica.route, arrival=start), parsed, raw, None
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        raw: bytes,
+        replica: ReplicaState,
+        routed: Routed,
+        request_id: str,
+        start: float,
+    ) -> web.StreamResponse | Refused:
+        """One send of the request (`parsed`, encoded as `raw`) to `replica`; `routed` is finished on every way out."""
+        answer = self._answer_plan(parsed, replica)
+        replica.begin_attempt()
+        try:
+            return await self._forward(
+                request,
+                raw,
+                _ROUTES[parsed.endpoint],
+                replica,
+                routed,
+                request_id,
+                start,
+                stream=parsed.stream,
+                answer=answer,
+                decode_leg=routed.leg == "decode",
+            )
+        finally:
+            replica.end_attempt()
+            routed.finish(self.clock())
+
+    async def _retry_decode(
+        self,
+        legs: PdLegs,
+        plan: PdPlan,
+        facts: RoutingFacts,
+        request: web.Request,
+        parsed: ParsedRequest,
+        raw: bytes,
+        replica: ReplicaState,
+        request_id: str,
+        start: float,
+        failed: Refused,
+    ) -> tuple[web.StreamResponse | Refused, Routed | None]:
+        """A decode leg whose connection failed never reached its worker, while the prefill worker holds the prompt's
+        KV for it: it is sent once more to the same worker before the request falls back to running whole, so a
+        connect that a starved router or a busy worker let time out does not cost the split and the prefill done.
+        The failed attempt's commitment was released with it, so the retry is committed anew, as the first was
+        (`routed`, the second value; None when nothing was sent: the worker is no longer routable, its breaker
+        opened by this failure, or it is draining)."""
+        if replica not in self.replicas.routable():
+            legs.metrics.decode_retries.labels("not_routable").inc()
+            log.info("request %s: decode leg on %s not sent again after %s", request_id, replica.name, failed.reason)
+            return failed, None
+        self.metrics.retries.labels(replica.name, "connect").inc()
+        routed = legs.planner.commit_decode(plan, facts, replica.route, arrival=start)
+        outcome = await self._attempt(request, parsed, raw, replica, routed, request_id, start)
+        label = "ok" if not isinstance(outcome, Refused) else "refused" if outcome.status else "failed"
+        legs.metrics.decode_retries.labels(label).inc()
+        log.info("request %s: decode leg on %s sent again after %s: %s", request_id, replica.name, failed.reason, label)
+        return outcome, routed
 
     async def _stagger(self) -> None:
         """With shared load, wait this instance's stagger before a first decision: the instances ranked before it
@@ -615,7 +669,10 @@ class Proxy:
             reason = f"{type(error).__name__}: {error}"
             self.replicas.record_failure(replica, reason, error)
             self.layouts.forget(replica.name)
-            return Refused(reason)
+            # Raised only while connecting, before a byte of the request is written (aiohttp never retries them
+            # either); a reset, a disconnect or a read timeout may come after the replica took the request.
+            unsent = isinstance(error, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+            return Refused(reason, unsent=unsent)
         chunks: ChunkReader | None = None
         try:
             replica.record_progress()
