@@ -210,3 +210,44 @@ def test_a_burst_of_reported_dispatches_counts_at_most_a_group_cap() -> None:
     group.peer_dispatched(100_000, 0.01)
     assert group.expected_unseen(0.1) == pytest.approx(8.0)
     assert group.ahead(0.1) <= 8
+
+
+def test_the_placeholder_copies_keep_every_other_field() -> None:
+    """The blind group copies candidates, loads and scores field by field (faster than `dataclasses.replace`): a
+    field added to one of them must reach the copy, or the decision behind placeholders silently loses it."""
+    from dataclasses import fields, replace
+
+    from kvrouter.policies.base import CandidateScore
+    from kvrouter.routing import herding
+
+    def odd(cls: type) -> dict[str, object]:
+        """A distinct, non-default value for every field of `cls` (a dataclass of numbers, names and loads)."""
+        values: dict[str, object] = {}
+        for number, field in enumerate(fields(cls), start=3):
+            kind = str(field.type)
+            if "ReplicaLoad" in kind:
+                values[field.name] = ReplicaLoad(**odd(ReplicaLoad))  # type: ignore[arg-type]
+            elif "Mapping" in kind:
+                values[field.name] = {"x": float(number)}
+            elif "ReplicaName" in kind or kind == "str":
+                values[field.name] = f"name-{number}"
+            elif "float" in kind:
+                values[field.name] = number + 0.5
+            else:
+                values[field.name] = number
+        return values
+
+    load = ReplicaLoad(**odd(ReplicaLoad))  # type: ignore[arg-type]
+    placed = replace(
+        load,
+        in_flight=load.in_flight + 2,
+        pending_prefill_tokens=load.pending_prefill_tokens + 100,
+        peer_pending_prefill_tokens=load.peer_pending_prefill_tokens + 100,
+        placeholder_prefill_tokens=load.placeholder_prefill_tokens + 100,
+    )
+    assert herding._placed(load, 2, 100) == placed
+    candidate = Candidate(**odd(Candidate))  # type: ignore[arg-type]
+    assert herding._with_load(candidate, placed) == replace(candidate, load=placed)
+    assert herding._bare(candidate) == replace(candidate, cached_tokens=0, cpu_tokens=0, storage_tokens=0)
+    score = CandidateScore(**odd(CandidateScore))  # type: ignore[arg-type]
+    assert herding._with_breakdown(score, {"y": 1.0}) == replace(score, breakdown={"y": 1.0})

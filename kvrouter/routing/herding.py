@@ -61,7 +61,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kvrouter.policies.base import Candidate, Decision, Policy, RouteRequest
+from kvrouter.policies.base import Candidate, CandidateScore, Decision, Policy, ReplicaLoad, RouteRequest
 from kvrouter.typedefs import ReplicaName
 
 STAGGER_MAX_S = 0.05
@@ -265,18 +265,7 @@ class BlindGroup:
             candidate = candidates[number]
             if not requests[number]:
                 return candidate
-            load, size = candidate.load, added[number]
-            extra = replace(
-                load,
-                in_flight=load.in_flight + requests[number],
-                pending_prefill_tokens=load.pending_prefill_tokens + size,
-                peer_pending_prefill_tokens=load.peer_pending_prefill_tokens + size,
-                placeholder_prefill_tokens=load.placeholder_prefill_tokens + size,
-            )
-            return replace(candidate, load=extra)
-
-        def bare(candidate: Candidate) -> Candidate:
-            return replace(candidate, cached_tokens=0, cpu_tokens=0, storage_tokens=0)
+            return _with_load(candidate, _placed(candidate.load, requests[number], added[number]))
 
         for standing in self._live:
             number = position.get(standing.replica)
@@ -286,32 +275,70 @@ class BlindGroup:
         placeholder = RouteRequest(prompt_tokens=tokens)
         new: list[ReplicaName] = []
         if ahead > len(self._live):
-            unseen = [bare(loaded(number)) for number in range(len(candidates))]
+            unseen = [_bare(loaded(number)) for number in range(len(candidates))]
             for _ in range(ahead - len(self._live)):
                 chosen = policy.select(placeholder, unseen).chosen
                 number = position[chosen]
                 requests[number] += 1
                 added[number] += tokens
-                unseen[number] = bare(loaded(number))
+                unseen[number] = _bare(loaded(number))
                 new.append(chosen)
         loaded_all = [loaded(number) for number in range(len(candidates))]
         decision = policy.select(request, loaded_all)
         scores = tuple(
-            replace(
+            _with_breakdown(
                 score,
-                breakdown={
+                {
                     **score.breakdown,
                     "blind_group_ahead": float(ahead),
-                    "blind_placeholder_tokens": float(added[position[score.replica]]),
+                    "blind_placeholder_tokens": float(added[number]),
                 },
             )
-            if score.replica in position
+            if (number := position.get(score.replica)) is not None
             else score
             for score in decision.candidates
         )
         decision = Decision(decision.chosen, scores, without_hint=decision.without_hint)
         self._planned = (decision, new)
         return decision
+
+
+# Copies made field by field: `dataclasses.replace` looks the fields up on every call (~4.4 µs against ~2.2 µs
+# here), and a decision behind placeholders makes a dozen. tests/test_herding.py checks they keep every field.
+
+
+def _placed(load: ReplicaLoad, requests: int, tokens: int) -> ReplicaLoad:
+    """`load` with `requests` placeholders of `tokens` prefill tokens in all placed on it (peers' pending prefill)."""
+    return ReplicaLoad(
+        load.in_flight + requests,
+        load.pending_prefill_tokens + tokens,
+        load.decode_requests,
+        load.engine_waiting,
+        load.engine_running,
+        load.kv_usage,
+        load.peer_pending_prefill_tokens + tokens,
+        load.placeholder_prefill_tokens + tokens,
+    )
+
+
+def _with_load(candidate: Candidate, load: ReplicaLoad) -> Candidate:
+    return Candidate(
+        candidate.replica,
+        candidate.cached_tokens,
+        load,
+        candidate.weight,
+        candidate.cpu_tokens,
+        candidate.storage_tokens,
+    )
+
+
+def _bare(candidate: Candidate) -> Candidate:
+    """`candidate` holding nothing of the prompt: a placeholder carries no cache affinity."""
+    return Candidate(candidate.replica, 0, candidate.load, candidate.weight, 0, 0)
+
+
+def _with_breakdown(score: CandidateScore, breakdown: dict[str, float]) -> CandidateScore:
+    return CandidateScore(score.replica, score.cached_tokens, score.score, breakdown)
 
 
 __all__ = ["STAGGER_MAX_S", "BlindGroup", "BlindGroupConfig"]

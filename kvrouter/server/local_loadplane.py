@@ -62,7 +62,8 @@ class LocalLoadPlane:
         self._wake = asyncio.Event()
         share.notify = self._wake.set
         self._last_sent = 0.0
-        self._peers: list[Path] = []
+        self._own = str(self.path)
+        self._peers: list[str] = []
         self._listed_at = -math.inf
         """The sockets in the directory, listed at most once a tick: a report goes out on every change."""
 
@@ -84,16 +85,21 @@ class LocalLoadPlane:
         if now - self._listed_at >= self.interval_s:
             self._listed_at = now
             try:
-                self._peers = list(self.directory.glob("*.sock"))
+                # os.listdir, not Path.glob: this runs up to 50 times a second in every worker (glob cost ~0.7% of a
+                # busy worker's samples).
+                directory = str(self.directory)
+                self._peers = [
+                    os.path.join(directory, name) for name in os.listdir(directory) if name.endswith(".sock")
+                ]
             except OSError:
-                self._peers = [self.path]
+                self._peers = [self._own]
         for peer in list(self._peers):
             try:
-                sock.sendto(payload, str(peer))
+                sock.sendto(payload, peer)
             except (ConnectionRefusedError, FileNotFoundError):
                 self._peers.remove(peer)
                 with contextlib.suppress(OSError):
-                    peer.unlink()  # its process is gone
+                    os.unlink(peer)  # its process is gone
                 continue
             except BlockingIOError:
                 self.dropped += 1
@@ -103,7 +109,7 @@ class LocalLoadPlane:
                     raise
                 self.dropped += 1
                 continue
-            if peer != self.path:
+            if peer != self._own:
                 self.stats.published_bytes += len(payload)
         self.stats.published += 1
 
