@@ -28,9 +28,10 @@ from kvrouter.redisplane.follower import FollowerKnobs, RedisFollower, connect_r
 from kvrouter.typedefs import ReplicaName
 from tests.redis_fixtures import RedisServer, free_port, redis_server
 from tests.redis_plane_support import FramePublisher, SyntheticEngine, fixture_frames, index_view
+from tests.test_events_zmq import context  # a fixture: its own ZMQ context, destroyed at teardown
 
 pytestmark = pytest.mark.redis
-__all__ = ["redis_server"]
+__all__ = ["context", "redis_server"]
 
 REPO = Path(__file__).resolve().parents[1]
 SYN = ReplicaName("syn")
@@ -127,11 +128,12 @@ async def wait_equal(
 
 
 async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
-    redis_server: RedisServer, relay_process: list[RelayProcess], tmp_path: Path
+    redis_server: RedisServer, relay_process: list[RelayProcess], context: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
-    context = zmq.asyncio.Context()
-    context.setsockopt(zmq.LINGER, 0)  # a socket left open must never block term()
-    syn_pub, real_pub = FramePublisher(context), FramePublisher(context)
+    # The captured frames first: without ../shared the test ends here, before it has opened or started anything.
+    real = [split_frames(m) for m in fixture_frames("s1_basic_bs32")]
+    real_payloads = [parts[2] for parts in real if parts is not None]
+    syn_pub, real_pub = FramePublisher(context), FramePublisher(context)  # `context` destroys their sockets anyway
     replicas_yaml = tmp_path / "replicas.yaml"
     replicas_yaml.write_text(
         yaml.safe_dump(
@@ -161,11 +163,8 @@ async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
         clock=time.monotonic,
         knobs=FollowerKnobs(block_ms=100, backoff_initial_s=0.05, backoff_max_s=0.2),
     )
-    follower.start()
     reference = Reference()
     engines = [SyntheticEngine(11, capacity=250)]
-    real = [split_frames(m) for m in fixture_frames("s1_basic_bs32")]
-    real_payloads = [parts[2] for parts in real if parts is not None]
 
     async def publish_syn(count: int) -> None:
         for _ in range(count):
@@ -186,6 +185,7 @@ async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
         publish_real(real_payloads[-1:])  # storing the same blocks again changes nothing
 
     try:
+        follower.start()
         relay.start()
         await asyncio.wait_for(follower.loaded.wait(), 15)
         # Published while the relay starts: what it misses is replayed once a later message reveals the gap.
@@ -226,7 +226,6 @@ async def test_relay_killed_and_restarted_mid_stream_loses_nothing(
         await follower.stop()
         await syn_pub.close()
         await real_pub.close()
-        context.destroy(linger=0)
 
 
 def test_relay_cli_refuses_bad_configuration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
