@@ -577,6 +577,51 @@ async def drive_spread(ports: list[int], concurrency: int, work: list[list[bytes
     return run, cpu
 
 
+_SHARE_SERIES = (
+    "kvrouter_requests_total",
+    "kvrouter_load_share_staggered_decisions_total",
+    "kvrouter_load_share_stagger_seconds_total",
+    "kvrouter_load_share_staleness_seconds",
+    "kvrouter_load_share_blind_placeholders_total",
+)
+
+
+async def _scrape(port: int) -> dict[str, float]:
+    """One worker's figures (whichever the kernel hands the connection): `_SHARE_SERIES`, summed over labels."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    text = (await reader.read()).decode(errors="replace")
+    writer.close()
+    figures: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _SHARE_SERIES:
+            figures[name] = figures.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return figures
+
+
+async def worker_figures(port: int, workers: int) -> str:
+    """After a leg: each worker's requests served and its shared-load figures (the stagger's mean wait, the
+    measured staleness, placeholders per decision), told apart by the requests each served; up to 40 scrapes."""
+    seen: dict[float, dict[str, float]] = {}
+    for _ in range(40):
+        figures = await _scrape(port)
+        seen.setdefault(figures.get("kvrouter_requests_total", 0.0), figures)
+        if len(seen) >= workers:
+            break
+    parts = []
+    for served, figures in sorted(seen.items(), reverse=True):
+        waited = figures.get("kvrouter_load_share_staggered_decisions_total", 0.0)
+        wait_ms = 1e3 * figures.get("kvrouter_load_share_stagger_seconds_total", 0.0) / waited if waited else 0.0
+        staleness_ms = 1e3 * figures.get("kvrouter_load_share_staleness_seconds", float("nan"))
+        placed = figures.get("kvrouter_load_share_blind_placeholders_total", 0.0) / max(1.0, served)
+        parts.append(
+            f"{served:,.0f} requests, stagger {wait_ms:.1f} ms mean over {waited:,.0f}, staleness {staleness_ms:.1f} "
+            f"ms, {placed:.2f} placeholders per request"
+        )
+    return "; ".join(parts)
+
+
 @dataclass(frozen=True)
 class Leg:
     """One leg of the workers check: `routers` routers of `workers` workers each, the load spread over them."""
@@ -635,6 +680,8 @@ async def workers_check(
                     cpu_before = sum(cpu_seconds(router.process.pid) for router in routers)
                     run, driver_cpu = await drive_spread(ports, args.concurrency, bodies, args.drivers)
                     router_cpu = sum(cpu_seconds(router.process.pid) for router in routers) - cpu_before
+                    if leg.workers > 1:
+                        print(f"    workers (warm-up included): {await worker_figures(ports[0], leg.workers)}")
                 finally:
                     for router in routers:
                         router.process.terminate()
