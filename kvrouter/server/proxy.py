@@ -223,9 +223,9 @@ class Proxy:
     ) -> None:
         self.settings = settings
         self.gate = gate
+        """The router queue (kvrouter.server.flow_gate); None: every request is sent at once."""
         self.legs = legs
         """Disaggregated prefill/decode (kvrouter.server.disagg_legs); None: every request is served whole."""
-        """The router queue (kvrouter.server.flow_gate); None: every request is sent at once."""
         self.request_ids = request_ids or RequestIds()
         self.router = router
         self.replicas = replicas
