@@ -577,36 +577,16 @@ async def drive_spread(ports: list[int], concurrency: int, work: list[list[bytes
     return run, cpu
 
 
-_SHARE_SERIES = (
-    "kvrouter_requests_total",
-    "kvrouter_load_share_staggered_decisions_total",
-    "kvrouter_load_share_stagger_seconds_total",
-    "kvrouter_load_share_staleness_seconds",
-    "kvrouter_load_share_blind_placeholders_total",
-)
-
-
-async def _scrape(port: int) -> dict[str, float]:
-    """One worker's figures (whichever the kernel hands the connection): `_SHARE_SERIES`, summed over labels."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    text = (await reader.read()).decode(errors="replace")
-    writer.close()
-    figures: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in _SHARE_SERIES:
-            figures[name] = figures.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return figures
-
-
 async def worker_figures(port: int, workers: int) -> str:
     """After a leg: each worker's requests served and its shared-load figures (the stagger's mean wait, the
-    measured staleness, placeholders per decision), told apart by the requests each served; up to 40 scrapes."""
+    measured staleness, placeholders per request), told apart by the requests each served; up to 40 scrapes."""
+    from kvrouter.loadgen.fleet import scrape  # the bench's scrape: a new connection each, samples summed over labels
+
     seen: dict[float, dict[str, float]] = {}
     for _ in range(40):
-        figures = await _scrape(port)
-        seen.setdefault(figures.get("kvrouter_requests_total", 0.0), figures)
+        figures = await asyncio.to_thread(scrape, f"http://127.0.0.1:{port}")
+        if figures is not None:
+            seen.setdefault(figures.get("kvrouter_requests_total", 0.0), figures)
         if len(seen) >= workers:
             break
     parts = []
