@@ -106,7 +106,8 @@ def pd_router(pd_pair: tuple[PdServer, PdServer], tiny_model: Path, vllm_workdir
     # probes) mid-test, which would serve the split request whole on the other engine. For the same reason the
     # connect timeout is 30 s, not 5: in a CI run the router, starved beside the two NIXL engines (its probes of
     # both timing out too), gave up connecting to the decode worker after 5 s and ran the request whole on the
-    # prefill worker (a decode leg whose connection fails keeps that worker out of the retry).
+    # prefill worker (the decode leg is now sent once more after a failed connect, but a starved router's second
+    # 5-s connect can fail alike).
     router = RouterProcess(
         fleet,
         vllm_workdir,
