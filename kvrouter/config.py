@@ -675,6 +675,14 @@ class Settings(BaseSettings):
     client_idle_timeout_s: float = Field(
         default=75.0, gt=0, description="An idle connection (no request begun) is closed after this long."
     )
+    client_keepalive_requests: int = Field(
+        default=1000,
+        ge=0,
+        description=(
+            "A client connection is closed (Connection: close) after this many answers, so kept-alive connections "
+            "spread again over the workers and router pods after a restart (nginx's keepalive_requests); 0: never."
+        ),
+    )
     client_body_timeout_s: float = Field(
         default=10.0, gt=0, description="Grace for a request body; a body that stays slower than the rate below..."
     )

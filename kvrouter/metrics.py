@@ -193,6 +193,12 @@ class RouterMetrics:
             "Open client connections (capped by max_client_connections).",
             registry=registry,
         )
+        self.client_connections_recycled = Counter(
+            "kvrouter_client_connections_recycled",
+            "Kept-alive client connections closed after client_keepalive_requests answers (the last one said "
+            "Connection: close), so clients reconnect and spread again over the workers and router pods.",
+            registry=registry,
+        )
         # Non-streaming answers (kvrouter/server/assembly.py): fetched as streams so the first token is seen.
         self.non_streaming = Counter(
             "kvrouter_non_streaming_requests",

@@ -47,8 +47,14 @@ class EdgeRouter:
 
 @asynccontextmanager
 async def edge_router(
-    replicas: list[FakeReplica], *, tokenizer: Path | None = None, **overrides: Any
+    replicas: list[FakeReplica],
+    *,
+    tokenizer: Path | None = None,
+    port: int = 0,
+    reuse_port: bool = False,
+    **overrides: Any,
 ) -> AsyncIterator[EdgeRouter]:
+    """`reuse_port`: listen with SO_REUSEPORT, as each `--workers` process does (several routers on one `port`)."""
     fleet_data: dict[str, Any] = {"replicas": [{"name": r.name, "url": r.url} for r in replicas]}
     if tokenizer is not None:
         fleet_data["tokenizer"] = str(tokenizer)
@@ -56,7 +62,7 @@ async def edge_router(
     app = create_app(router_settings(**overrides), fleet, registry=CollectorRegistry())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    site = EdgeSite(runner, app[EDGE], "127.0.0.1", 0)
+    site = EdgeSite(runner, app[EDGE], "127.0.0.1", port, reuse_port=reuse_port)
     await site.start()
     try:
         yield EdgeRouter(app, f"http://127.0.0.1:{site.port}", site.port)

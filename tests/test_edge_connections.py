@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import ReplicaFactory, eventually
-from tests.edge_support import closed_within, edge_router, read_response, status_of
+from tests.edge_support import EdgeRouter, closed_within, content_length, edge_router, read_response, status_of
 
 COMPLETION = b'{"prompt": "hello", "max_tokens": 4}'
 
@@ -190,3 +190,81 @@ async def test_bodies_being_read_share_one_buffer_budget(fake_replicas: ReplicaF
             writer.close()
         await eventually(lambda: router.edge.buffered == 0, what="buffer released")
         assert await honest(router.url) == 200
+
+
+def post(body: bytes) -> bytes:
+    return b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+async def answer_head(reader: asyncio.StreamReader) -> bytes:
+    """One Content-Length-framed answer, read whole; its head."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 15.0)
+    await asyncio.wait_for(reader.readexactly(content_length(head)), 15.0)
+    return head
+
+
+async def test_a_kept_alive_connection_closes_after_its_request_allowance(fake_replicas: ReplicaFactory) -> None:
+    replicas = await fake_replicas(1)
+    streamed = b'{"prompt": "hello", "max_tokens": 4, "stream": true}'
+    async with edge_router(replicas, client_keepalive_requests=3) as router:
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        for _ in range(2):
+            writer.write(post(COMPLETION))
+            head = await answer_head(reader)
+            assert status_of(head) == 200 and b"connection: close" not in head.lower()
+        # The third answer (a stream) says Connection: close in its head, arrives whole, then the connection closes.
+        writer.write(post(streamed))
+        head, _, rest = (await closed_within(reader, 15.0)).partition(b"\r\n\r\n")
+        writer.close()
+        assert status_of(head) == 200
+        assert b"connection: close" in head.lower()
+        assert b"data: [DONE]" in rest
+        recycled = router.metrics.registry.get_sample_value("kvrouter_client_connections_recycled_total")
+        assert recycled == 1
+        await eventually(lambda: router.edge.open == 0, what="the recycled connection released")
+    # 0: no allowance; a connection carries as many requests as its client sends.
+    async with edge_router(replicas, client_keepalive_requests=0) as router:
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        for _ in range(5):
+            writer.write(post(COMPLETION))
+            head = await answer_head(reader)
+            assert status_of(head) == 200 and b"connection: close" not in head.lower()
+        assert router.edge.open == 1
+        writer.close()
+
+
+def answered(router: EdgeRouter) -> float:
+    return sum(
+        sample.value
+        for family in router.metrics.registry.collect()
+        if family.name == "kvrouter_requests"
+        for sample in family.samples
+        if sample.name == "kvrouter_requests_total"
+    )
+
+
+async def test_recycled_connections_spread_over_a_router_that_started_later(fake_replicas: ReplicaFactory) -> None:
+    """Two routers on one port with SO_REUSEPORT, as `--workers 2` runs them: a client's pooled connections, opened
+    while only the first listened, reach the second once they are recycled, and never without it."""
+    replicas = await fake_replicas(1)
+    for allowance in (5, 0):
+        async with (
+            edge_router(replicas, reuse_port=True, client_keepalive_requests=allowance) as first,
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4)) as session,
+        ):
+
+            async def one() -> None:
+                async with session.post(f"{first.url}/v1/completions", data=COMPLETION) as response:
+                    assert response.status == 200
+                    await response.read()
+
+            await asyncio.gather(*(one() for _ in range(4)))  # the pool opens while only the first listens
+            async with edge_router(
+                replicas, port=first.port, reuse_port=True, client_keepalive_requests=allowance
+            ) as second:
+                for _ in range(20):
+                    await asyncio.gather(*(one() for _ in range(4)))
+                served = answered(second)
+            assert answered(first) + served == 84
+            # 16 connections recycled, each landing on either listener: all on the first has odds of 2^-16.
+            assert (served > 0) is (allowance > 0), (allowance, served)

@@ -185,6 +185,7 @@ def create_app(
         client_max_size=settings.max_body_bytes, handler_args=edge.handler_args(), middlewares=[edge.middleware]
     )
     app[EDGE] = edge
+    app.on_response_prepare.append(edge.on_response_prepare)
     load = LoadBook()
     prefix = build_prefix_parts(settings, fleet, metrics, clock, load)
     replicas = ReplicaSet(fleet, settings, load, metrics, clock)

@@ -6,7 +6,11 @@ others or blows its memory.
   is answered 503 and closed, counted, and logged at most once per `LOG_INTERVAL_S`. A connection with no request
   begun is closed after `client_idle_timeout_s` (aiohttp's keep-alive timer, which also runs from the moment a
   connection opens). Once a request's first byte arrived, its line and headers must be complete within
-  `client_header_timeout_s`, or the connection is closed (slowloris).
+  `client_header_timeout_s`, or the connection is closed (slowloris). A kept-alive connection's
+  `client_keepalive_requests`-th answer says `Connection: close` and the connection closes after it
+  (`ClientEdge.on_response_prepare`): the kernel (SO_REUSEPORT, `--workers`) or a Service spreads connections, not
+  requests, so without it a client's few long-lived connections stay on the worker or pod they first reached, also
+  after the others restart; counted in kvrouter_client_connections_recycled_total.
 * Bodies (`ClientEdge.middleware`, the outermost middleware): every request body is read here, before any handler
   runs — so a slow body never holds one of the proxy's concurrency slots — under a deadline that grows with what
   arrived: `client_body_timeout_s + received / client_body_min_bytes_per_s`; past it the client gets 408 and the
@@ -73,6 +77,8 @@ class EdgeLimits:
     max_connections: int = 4096
     max_body_bytes: int = 32 * 1024 * 1024
     body_buffer_bytes: int = 1024 * 1024 * 1024
+    keepalive_requests: int = 1000
+    """Answers a kept-alive connection carries; the last says Connection: close (0: no limit)."""
 
     @classmethod
     def from_settings(cls, settings: Settings, fd_limit: int | None = None) -> EdgeLimits:
@@ -95,6 +101,7 @@ class EdgeLimits:
             max_connections=connections,
             max_body_bytes=settings.max_body_bytes,
             body_buffer_bytes=settings.client_body_buffer_bytes,
+            keepalive_requests=settings.client_keepalive_requests,
         )
 
     def body_deadline(self, received: int) -> float:
@@ -169,6 +176,18 @@ class ClientEdge:
             "max_field_size": 65536,
             "auto_decompress": False,
         }
+
+    async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        """The connection's `keepalive_requests`-th answer closes it (`app.on_response_prepare`, which aiohttp
+        runs after the answer's headers are made and before they are sent, so the header can still say so)."""
+        connection = self._connections.get(request.protocol)
+        limit = self.limits.keepalive_requests
+        if connection is None or not limit or connection.served < limit or connection.recycled:
+            return
+        connection.recycled = True
+        response.headers["Connection"] = "close"
+        response.force_close()  # aiohttp closes the connection once this answer is written
+        self.metrics.client_connections_recycled.inc()
 
     def refuse(self, reason: str) -> None:
         self._rejections[reason].inc()
@@ -389,6 +408,9 @@ class _Connection(asyncio.Protocol):
         self.admitted = False
         self.transport: asyncio.Transport | None = None
         self.in_request = False
+        self.served = 0
+        """Requests begun on this connection (`EdgeLimits.keepalive_requests`)."""
+        self.recycled = False
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -430,6 +452,7 @@ class _Connection(asyncio.Protocol):
 
     def request_started(self) -> None:
         self.in_request = True
+        self.served += 1
         self._cancel_timer()
 
     def request_finished(self) -> None:

@@ -72,6 +72,7 @@ def create_models_app(
         client_max_size=settings.max_body_bytes, handler_args=edge.handler_args(), middlewares=[edge.middleware]
     )
     app[EDGE] = edge
+    app.on_response_prepare.append(edge.on_response_prepare)
     app[MODELS] = directory
     app[FRONT_METRICS] = metrics
     dispatch = ModelDispatch(directory, metrics)
