@@ -595,9 +595,11 @@ async def worker_figures(port: int, workers: int) -> str:
         wait_ms = 1e3 * figures.get("kvrouter_load_share_stagger_seconds_total", 0.0) / waited if waited else 0.0
         staleness_ms = 1e3 * figures.get("kvrouter_load_share_staleness_seconds", float("nan"))
         placed = figures.get("kvrouter_load_share_blind_placeholders_total", 0.0) / max(1.0, served)
+        published = figures.get("kvrouter_load_share_published_total", 0.0) / max(1.0, served)
+        received = figures.get("kvrouter_load_share_received_total", 0.0) / max(1.0, served)
         parts.append(
             f"{served:,.0f} requests, stagger {wait_ms:.1f} ms mean over {waited:,.0f}, staleness {staleness_ms:.1f} "
-            f"ms, {placed:.2f} placeholders per request"
+            f"ms, {placed:.2f} placeholders, {published:.2f} reports sent and {received:.2f} received per request"
         )
     return "; ".join(parts)
 
