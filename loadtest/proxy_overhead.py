@@ -151,13 +151,19 @@ async def _client(port: int, deadline: float, latencies: list[float], errors: li
             writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
             length = 0
+            closing = False
             for line in head.split(b"\r\n"):
                 if line[:15].lower() == b"content-length:":
                     length = int(line[15:])
+                elif line[:11].lower() == b"connection:" and b"close" in line.lower():
+                    closing = True  # the router recycles a connection after client_keepalive_requests answers
             await reader.readexactly(length)
             latencies.append(clock() - started)
             if not head.startswith(b"HTTP/1.1 200"):
                 errors[0] += 1
+            if closing:
+                writer.close()
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
     finally:
         writer.close()
 

@@ -305,20 +305,23 @@ class Run:
     errors: int
 
 
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> bool:
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> tuple[bool, bool]:
+    """One request and its whole answer: (answered 200, the answer said `Connection: close`)."""
     writer.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )
     head = await reader.readuntil(b"\r\n\r\n")
     length = -1
-    chunked = False
+    chunked = closing = False
     for line in head.split(b"\r\n"):
         lower = line.lower()
         if lower.startswith(b"content-length:"):
             length = int(line[15:])
         elif lower.startswith(b"transfer-encoding:") and b"chunked" in lower:
             chunked = True
+        elif lower.startswith(b"connection:") and b"close" in lower:
+            closing = True  # the router recycles a connection after client_keepalive_requests answers
     if chunked:
         while True:
             size = int((await reader.readuntil(b"\r\n")).strip(), 16)
@@ -327,7 +330,7 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
                 break
     elif length >= 0:
         await reader.readexactly(length)
-    return head.startswith(b"HTTP/1.1 200")
+    return head.startswith(b"HTTP/1.1 200"), closing
 
 
 async def drive(port: int, concurrency: int, work: list[list[bytes]]) -> Run:
@@ -340,8 +343,11 @@ async def drive(port: int, concurrency: int, work: list[list[bytes]]) -> Run:
         try:
             for bodies in queue:
                 for body in bodies:
-                    ok = await _exchange(reader, writer, body)
+                    ok, closing = await _exchange(reader, writer, body)
                     done[0 if ok else 1] += 1
+                    if closing:
+                        writer.close()
+                        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
         finally:
             writer.close()
 

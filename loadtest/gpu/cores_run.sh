@@ -60,6 +60,8 @@ start)
     (cd "$build" && python3 setup.py -q build_ext --inplace >/tmp/build_ext.log 2>&1) && cp "$build"/kvrouter/*.so "$ROOT/kvrouter/"
     python3 -c "import kvrouter._blocktable, kvrouter._blockkeys, kvrouter._costfit" || { tail -20 /tmp/build_ext.log; exit 1; }
     echo "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), load $(cut -d' ' -f1-3 /proc/loadavg)"
+    # Which logical CPUs share a physical core (the routers' two cores should not).
+    echo "core siblings: $(cat /sys/devices/system/cpu/cpu{0,1,2,3}/topology/thread_siblings_list 2>/dev/null | tr '\n' ' ')"
     mkdir -p /tmp/cres
     cd "$ROOT" && setsid bash -c '
         while read -r name rest; do
