@@ -196,11 +196,13 @@ def post(body: bytes) -> bytes:
     return b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
 
 
-async def answer_head(reader: asyncio.StreamReader) -> bytes:
-    """One Content-Length-framed answer, read whole; its head."""
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 15.0)
-    await asyncio.wait_for(reader.readexactly(content_length(head)), 15.0)
-    return head
+async def kept_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requests: int) -> None:
+    """`requests` completions on one connection, each answered 200 without `Connection: close`."""
+    for _ in range(requests):
+        writer.write(post(COMPLETION))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 15.0)
+        await asyncio.wait_for(reader.readexactly(content_length(head)), 15.0)
+        assert status_of(head) == 200 and b"connection: close" not in head.lower()
 
 
 async def test_a_kept_alive_connection_closes_after_its_request_allowance(fake_replicas: ReplicaFactory) -> None:
@@ -208,10 +210,7 @@ async def test_a_kept_alive_connection_closes_after_its_request_allowance(fake_r
     streamed = b'{"prompt": "hello", "max_tokens": 4, "stream": true}'
     async with edge_router(replicas, client_keepalive_requests=3) as router:
         reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
-        for _ in range(2):
-            writer.write(post(COMPLETION))
-            head = await answer_head(reader)
-            assert status_of(head) == 200 and b"connection: close" not in head.lower()
+        await kept_alive(reader, writer, 2)
         # The third answer (a stream) says Connection: close in its head, arrives whole, then the connection closes.
         writer.write(post(streamed))
         head, _, rest = (await closed_within(reader, 15.0)).partition(b"\r\n\r\n")
@@ -225,10 +224,7 @@ async def test_a_kept_alive_connection_closes_after_its_request_allowance(fake_r
     # 0: no allowance; a connection carries as many requests as its client sends.
     async with edge_router(replicas, client_keepalive_requests=0) as router:
         reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
-        for _ in range(5):
-            writer.write(post(COMPLETION))
-            head = await answer_head(reader)
-            assert status_of(head) == 200 and b"connection: close" not in head.lower()
+        await kept_alive(reader, writer, 5)
         assert router.edge.open == 1
         writer.close()
 
