@@ -476,6 +476,11 @@ class Settings(BaseSettings):
         description="Without redis_url: a private directory where router processes on one host share load over "
         "Unix datagram sockets (`--workers` makes one itself; set it to share with processes started otherwise).",
     )
+    workers_dir: Path | None = Field(
+        default=None,
+        description="Set by the --workers supervisor: a private directory where each worker serves its own metrics "
+        "on a Unix socket, so a scrape of the shared port holds every worker's (labelled `worker`).",
+    )
     load_share_prefix_blocks: int = Field(
         default=256, ge=0, le=4096, description="Leading blocks of each routed prefix shared with peer instances."
     )

@@ -313,6 +313,12 @@ replicas.yaml. deploy/grafana/dashboards/kvrouter.json charts them next to the e
 the routers do not read events themselves: `kvrouter relay --metrics-port PORT` serves the event metrics
 (`kvrouter_kv_events_total`, `kvrouter_index_blocks`, ...) for every replica it relays; scrape it too.
 
+Under `--workers N` each process counts what it served, and a scrape of the shared port reaches one of them, so
+that one gathers the others' over Unix sockets (kvrouter/server/worker_metrics.py): every sample carries a
+`worker` label (`"0"` to `"N-1"`, kept across a worker's restart), and `sum without (worker) (...)` gives the
+router's totals. `kvrouter_workers_expected` and `kvrouter_workers_scraped` (the workers this scrape holds; one
+that is restarting is left out) come with it.
+
 The engines' metrics (scrape every vLLM replica's `/metrics` too; the simulator serves the same names) that the
 dashboard uses: `vllm:num_requests_waiting` and `vllm:num_requests_running` (queue and batch),
 `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (hit ratio),

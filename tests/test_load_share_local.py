@@ -128,23 +128,30 @@ async def test_workers_without_redis_each_count_every_workers_requests(tmp_path:
         connector = aiohttp.TCPConnector(force_close=True)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
 
-            async def scrape() -> tuple[float, float, float]:
+            async def scrape() -> dict[str, tuple[float, float, float]]:
+                """Per worker (every scrape holds both, labelled: kvrouter/server/worker_metrics.py): its own
+                requests in flight, its peers' and how many peers it counts."""
                 async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
                     text = await response.text()
-                values: dict[str, float] = {}
+                values: dict[tuple[str, str], float] = {}
                 for family in text_string_to_metric_families(text):
                     for sample in family.samples:
-                        values[sample.name] = values.get(sample.name, 0.0) + sample.value
-                own = values.get("kvrouter_in_flight_requests", 0.0)
-                return (
-                    own,
-                    values.get("kvrouter_load_share_peer_in_flight", 0.0),
-                    values.get("kvrouter_load_share_peers", 0.0),
-                )
+                        key = (sample.labels.get("worker", ""), sample.name)
+                        values[key] = values.get(key, 0.0) + sample.value
+                workers = {worker for worker, _ in values if worker}
+                assert values[("", "kvrouter_workers_scraped")] == len(workers)
+                return {
+                    worker: (
+                        values.get((worker, "kvrouter_in_flight_requests"), 0.0),
+                        values.get((worker, "kvrouter_load_share_peer_in_flight"), 0.0),
+                        values.get((worker, "kvrouter_load_share_peers"), 0.0),
+                    )
+                    for worker in workers
+                }
 
             for _ in range(600):
-                with contextlib.suppress(aiohttp.ClientError):
-                    if (await scrape())[2] == 1.0:
+                with contextlib.suppress(aiohttp.ClientError, KeyError):
+                    if [count for _, _, count in (await scrape()).values()] == [1.0, 1.0]:
                         break
                 await asyncio.sleep(0.1)
 
@@ -154,17 +161,18 @@ async def test_workers_without_redis_each_count_every_workers_requests(tmp_path:
                     return response.status
 
             streams = [asyncio.create_task(one()) for _ in range(6)]
-            # Connections land on either worker; whichever answers the scrape counts all six requests.
+            # Connections land on either worker; each worker counts all six requests, its own and its peer's.
             seen = []
             for _ in range(40):
-                own, peers, count = await scrape()
-                seen.append((own, peers, count))
-                if len([s for s in seen if s[0] + s[1] == 6 and s[2] == 1]) >= 10:
+                workers = await scrape()
+                assert sorted(workers) == ["0", "1"], workers  # every scrape holds both workers' series
+                seen.append(workers)
+                if len([w for w in seen if all(o + p == 6 and c == 1 for o, p, c in w.values())]) >= 10:
                     break
                 await asyncio.sleep(0.1)
-            settled = [s for s in seen if s[0] + s[1] == 6 and s[2] == 1]
+            settled = [w for w in seen if all(o + p == 6 and c == 1 for o, p, c in w.values())]
             assert len(settled) >= 10, seen
-            assert {own for own, _, _ in settled} != {6.0}, "every scrape hit one worker holding all six"  # both seen
+            assert all(sum(own for own, _, _ in w.values()) == 6 for w in settled)  # the six, each counted once
             assert await asyncio.gather(*streams) == [200] * 6
     finally:
         if parent.returncode is None:

@@ -110,12 +110,11 @@ async def test_two_workers_share_the_port_each_follow_redis_and_one_is_restarted
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
 
             async def loaded_everywhere() -> bool:
-                # Fresh connections land on either worker; both must report a loaded index.
-                for _ in range(12):
-                    async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
-                        if "kvrouter_redis_events_loaded 1.0" not in await response.text():
-                            return False
-                return True
+                # A scrape holds every worker's metrics, labelled (kvrouter/server/worker_metrics.py): both must
+                # report a loaded index.
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+                    text = await response.text()
+                return all(f'kvrouter_redis_events_loaded{{worker="{n}"}} 1.0' in text for n in (0, 1))
 
             deadline = time.monotonic() + 30
             while not await loaded_everywhere():

@@ -12,6 +12,7 @@ Everything here does I/O on the event loop; the decisions it acts on are made by
 * `replicas.py` — replica state: health probes, passive failures, circuit breaker, engine /metrics scraping.
 * `serving.py` — run one built app until SIGTERM/SIGINT and drain; shared by `kvrouter/serve.py` and workers.
 * `workers.py` — `--workers N`: a supervisor and N router processes on one port (SO_REUSEPORT).
+* `worker_metrics.py` — `/metrics` under `--workers`: every worker's metrics in each scrape, labelled `worker`.
 
 The `serve` subcommand itself (flags, settings, exit codes) stays at `kvrouter/serve.py`, beside the other
 subcommands (`relay.py`, `bench.py`, `demo.py`).

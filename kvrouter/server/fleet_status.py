@@ -33,6 +33,7 @@ from kvrouter.server.fleet_metrics import exposition_registry
 from kvrouter.server.model_directory import FleetApp, ModelDirectory
 from kvrouter.server.proxy import error_response
 from kvrouter.server.status import EVENT_STREAMS
+from kvrouter.server.worker_metrics import EXPOSITION, WORKER_METRICS
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
@@ -104,10 +105,18 @@ class FleetsStatus:
     async def live(self, request: web.Request) -> web.Response:
         return web.json_response({"live": True})
 
-    async def prometheus(self, request: web.Request) -> web.Response:
+    def own_exposition(self) -> bytes:
+        """This process's metrics (the front's and every fleet's), gauges brought up to date."""
         for fleet in self.fleets:
             fleet.proxy.replicas.update_gauges()
-        return web.Response(body=generate_latest(self.exposition), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return generate_latest(self.exposition)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body = self.own_exposition()
+        workers = request.app.get(WORKER_METRICS)
+        if workers is not None:  # under --workers: every worker's (kvrouter/server/worker_metrics.py)
+            body = await workers.gather(body)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def debug_queue(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -182,6 +191,7 @@ def add_status_routes(
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/live", status.live)
     app.router.add_get("/metrics", status.prometheus)
+    app[EXPOSITION] = status.own_exposition
     app.router.add_get("/debug/queue", status.debug_queue)
     app.router.add_get("/admin/replicas", status.list_replicas)
     app.router.add_post("/admin/replicas/{name}/drain", status.drain)

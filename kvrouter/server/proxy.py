@@ -89,6 +89,7 @@ from kvrouter.server.streaming import (
     upstream_headers,
     usage_in_body,
 )
+from kvrouter.server.worker_metrics import EXPOSITION
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,7 @@ class Proxy:
         app.router.add_get("/v1/models", status.models)
         app.router.add_get("/health", status.health)
         app.router.add_get("/metrics", status.prometheus)
+        app[EXPOSITION] = status.own_exposition
         app.router.add_post("/debug/route", status.debug_route)
         app.router.add_post("/debug/route/{endpoint}", status.debug_route)
         app.router.add_get("/debug/queue", status.debug_queue)

@@ -18,6 +18,7 @@ from kvrouter.metrics import CostSource
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
 from kvrouter.routing.adapters import unavailable as adapter_unavailable
 from kvrouter.server.streaming import BodyTooLarge, read_capped
+from kvrouter.server.worker_metrics import WORKER_METRICS
 from kvrouter.typedefs import ReplicaName
 
 if TYPE_CHECKING:
@@ -132,11 +133,17 @@ class StatusEndpoints:
         body = {"status": status, "policy": self.proxy.router.policy.name, "replicas": replicas}
         return body, routable > 0
 
-    async def prometheus(self, request: web.Request) -> web.Response:
+    def own_exposition(self) -> bytes:
+        """This process's metrics, gauges brought up to date."""
         self.proxy.replicas.update_gauges()
-        return web.Response(
-            body=generate_latest(self.proxy.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        return generate_latest(self.proxy.metrics.registry)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body = self.own_exposition()
+        workers = request.app.get(WORKER_METRICS)
+        if workers is not None:  # under --workers: every worker's (kvrouter/server/worker_metrics.py)
+            body = await workers.gather(body)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def debug_route(self, request: web.Request) -> web.Response:
         """The decision the router would make for this body, with every candidate's breakdown; sends nothing."""

@@ -50,11 +50,17 @@ def worker_main(settings: Settings, fleet: FleetConfig | ModelsConfig, number: i
 
     from kvrouter.server.fleets import build_router_app
     from kvrouter.server.serving import loop_factory, serve
+    from kvrouter.server.worker_metrics import WORKER_METRICS, WorkerMetrics
 
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[w{number}]: %(message)s"
     )
     app = build_router_app(settings, fleet)
+    if settings.workers_dir is not None:
+        # A scrape of the shared port holds every worker's metrics (kvrouter/server/worker_metrics.py).
+        worker_metrics = WorkerMetrics(settings.workers_dir, number, settings.workers)
+        app[WORKER_METRICS] = worker_metrics
+        app.cleanup_ctx.append(worker_metrics.context)
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(serve(app, settings, fleet))
 
@@ -90,9 +96,13 @@ class Supervisor:
             # Without Redis the workers share load over Unix datagrams in a directory only this user can enter.
             shared_dir = Path(tempfile.mkdtemp(prefix="kvrouter-load-"))
             self.settings = self.settings.model_copy(update={"load_share_dir": shared_dir})
+        # Each worker's metrics socket, so a scrape of the port holds every worker's (mkdtemp: mode 0700).
+        workers_dir = Path(tempfile.mkdtemp(prefix="kvrouter-workers-"))
+        self.settings = self.settings.model_copy(update={"workers_dir": workers_dir})
         try:
             return self._supervise()
         finally:
+            shutil.rmtree(workers_dir, ignore_errors=True)
             if shared_dir is not None:
                 shutil.rmtree(shared_dir, ignore_errors=True)
 
