@@ -101,8 +101,12 @@ class WorkerMetrics:
             ):
                 if response.status != 200:
                     return b""
-                body = await response.content.read(self.max_bytes + 1)
-                return b"" if len(body) > self.max_bytes else body
+                body = bytearray()
+                async for chunk in response.content.iter_any():
+                    body += chunk
+                    if len(body) > self.max_bytes:
+                        return b""
+                return bytes(body)
         except (aiohttp.ClientError, OSError, TimeoutError):
             return b""
 
@@ -110,7 +114,8 @@ class WorkerMetrics:
 def merge(parts: list[tuple[int, bytes]], *, scraped: int, expected: int) -> bytes:
     """Prometheus text expositions of several workers as one: each family's comment lines once, then every
     worker's samples of it, each with `worker="<number>"` first among its labels."""
-    families: dict[str, list[bytes]] = {}
+    families: dict[bytes, list[bytes]] = {}
+    comments: set[bytes] = set()
     for number, text in parts:
         label = b'worker="%d"' % number
         family = b""
@@ -121,11 +126,11 @@ def merge(parts: list[tuple[int, bytes]], *, scraped: int, expected: int) -> byt
                 words = line.split(b" ", 3)
                 if len(words) >= 3 and words[1] in (b"HELP", b"TYPE"):
                     family = words[2]
-                    lines = families.setdefault(family.decode(), [])
-                    if line not in lines:
-                        lines.append(line)
+                    if line not in comments:  # every worker's exposition has them: once
+                        comments.add(line)
+                        families.setdefault(family, []).append(line)
                 continue
-            families.setdefault(family.decode(), []).append(_labelled(line, label))
+            families.setdefault(family, []).append(_labelled(line, label))
     out = [line for lines in families.values() for line in lines]
     out += [
         b"# HELP kvrouter_workers_expected Router processes under --workers.",
