@@ -583,20 +583,49 @@ async def drive_spread(ports: list[int], concurrency: int, work: list[list[bytes
     return run, cpu
 
 
-async def worker_figures(port: int, workers: int) -> str:
-    """After a leg: each worker's requests served and its shared-load figures (the stagger's mean wait, the
-    measured staleness, placeholders per request), told apart by the requests each served; up to 40 scrapes."""
-    from kvrouter.loadgen.fleet import scrape  # the bench's scrape: a new connection each, samples summed over labels
+def per_worker(port: int) -> dict[str, dict[str, float]]:
+    """One scrape of a `--workers` router: every worker's samples, summed over their other labels, by the `worker`
+    label (a scrape holds every worker's: kvrouter/server/worker_metrics.py); empty from a tree without it."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    seen: dict[float, dict[str, float]] = {}
-    for _ in range(40):
-        figures = await asyncio.to_thread(scrape, f"http://127.0.0.1:{port}")
-        if figures is not None:
-            seen.setdefault(figures.get("kvrouter_requests_total", 0.0), figures)
+    from kvrouter.loadgen.fleet import http_get
+
+    try:
+        status, text = http_get(f"http://127.0.0.1:{port}/metrics")
+    except OSError:
+        return {}
+    workers: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text if status == 200 else ""):
+        for sample in family.samples:
+            worker = sample.labels.get("worker")
+            if worker is not None:
+                figures = workers.setdefault(worker, {})
+                figures[sample.name] = figures.get(sample.name, 0.0) + sample.value
+    return workers
+
+
+async def all_workers_up(port: int, workers: int, within_s: float = 60.0) -> None:
+    """Until a scrape holds every worker (each listening), so none misses the warm-up's connections; a tree whose
+    scrape has no `worker` label (before kvrouter/server/worker_metrics.py) gets a second instead."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        seen = await asyncio.to_thread(per_worker, port)
+        if not seen:
+            await asyncio.sleep(1.0)
+            return
         if len(seen) >= workers:
-            break
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"not every one of {workers} workers answered on port {port} within {within_s:.0f} s")
+
+
+async def worker_figures(port: int) -> str:
+    """After a leg: each worker's requests served and its shared-load figures (the stagger's mean wait, the
+    measured staleness, placeholders, load reports per request), from one scrape."""
+    seen = await asyncio.to_thread(per_worker, port)
     parts = []
-    for served, figures in sorted(seen.items(), reverse=True):
+    for _, figures in sorted(seen.items()):
+        served = figures.get("kvrouter_requests_total", 0.0)
         waited = figures.get("kvrouter_load_share_staggered_decisions_total", 0.0)
         wait_ms = 1e3 * figures.get("kvrouter_load_share_stagger_seconds_total", 0.0) / waited if waited else 0.0
         staleness_ms = 1e3 * figures.get("kvrouter_load_share_staleness_seconds", float("nan"))
@@ -607,7 +636,7 @@ async def worker_figures(port: int, workers: int) -> str:
             f"{served:,.0f} requests, stagger {wait_ms:.1f} ms mean over {waited:,.0f}, staleness {staleness_ms:.1f} "
             f"ms, {placed:.2f} placeholders, {published:.2f} reports sent and {received:.2f} received per request"
         )
-    return "; ".join(parts)
+    return "; ".join(parts) if parts else "(this tree's scrape has no worker label: no per-worker figures)"
 
 
 @dataclass(frozen=True)
@@ -660,6 +689,8 @@ async def workers_check(
                 try:
                     for router in routers:
                         await wait_ready(router.port)
+                        if leg.workers > 1:
+                            await all_workers_up(router.port, leg.workers)
                     await asyncio.sleep(1.0)
                     salt = f"{leg.salt}-{label}-{repeat}"
                     warm = [[b] for _, b in tenant_bodies(systems, args.warmup, False, salt + "-warm-up")]
@@ -669,7 +700,7 @@ async def workers_check(
                     run, driver_cpu = await drive_spread(ports, args.concurrency, bodies, args.drivers)
                     router_cpu = sum(cpu_seconds(router.process.pid) for router in routers) - cpu_before
                     if leg.workers > 1:
-                        print(f"    workers (warm-up included): {await worker_figures(ports[0], leg.workers)}")
+                        print(f"    workers (warm-up included): {await worker_figures(ports[0])}")
                 finally:
                     for router in routers:
                         router.process.terminate()
