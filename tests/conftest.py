@@ -5,9 +5,11 @@ small helpers many test modules share (polling until a condition holds, stopping
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
+import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +92,14 @@ def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> N
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=5)
+
+
+@pytest.fixture
+def share_dir() -> Iterator[Path]:
+    """A private directory for Unix sockets (the workers' load-share planes and metrics) under /tmp: a socket's
+    path is at most 108 bytes, and pytest's tmp_path is deep."""
+    directory = Path(tempfile.mkdtemp(prefix="kvr-sock-", dir="/tmp"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

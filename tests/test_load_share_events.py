@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -210,15 +208,6 @@ async def test_requests_are_served_while_redis_holds_every_publish(
     await eventually(lambda: cast(LoadBook, b.app[LOAD]).peer_in_flight() == 0, what="settled")
     metrics = await (await a.get("/metrics")).text()
     assert "kvrouter_load_share_up 1.0" in metrics
-
-
-@pytest.fixture
-def share_dir() -> Iterator[Path]:
-    directory = Path(tempfile.mkdtemp(prefix="kvr-load-", dir="/tmp"))  # Unix socket paths are short
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 async def test_workers_hear_a_dispatch_at_once_and_a_burst_as_one_datagram(share_dir: Path) -> None:

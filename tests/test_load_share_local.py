@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -34,16 +32,6 @@ from tests.redis_fixtures import free_port
 
 A = ReplicaName("a")
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def share_dir() -> Iterator[Path]:
-    # Unix socket paths are short (108 bytes): a directory of its own under /tmp, not pytest's deep tmp_path.
-    directory = Path(tempfile.mkdtemp(prefix="kvr-load-", dir="/tmp"))
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @contextlib.asynccontextmanager

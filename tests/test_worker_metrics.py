@@ -4,12 +4,8 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -64,26 +60,17 @@ def test_the_merge_labels_every_sample_and_keeps_each_family_together() -> None:
         assert {key: values[key] for key in own} == own
 
 
-@pytest.fixture
-def workers_dir() -> Iterator[Path]:
-    directory = Path(tempfile.mkdtemp(prefix="kvr-workers-", dir="/tmp"))  # Unix socket paths are short
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-async def test_a_scrape_gathers_the_other_workers_over_their_sockets(workers_dir: Path) -> None:
+async def test_a_scrape_gathers_the_other_workers_over_their_sockets(share_dir: Path) -> None:
     """Worker 1 serves its exposition on its socket; worker 0's scrape holds both, and leaves out worker 2,
     which is not there (restarting), saying so."""
-    peer = WorkerMetrics(workers_dir, 1, 3)
+    peer = WorkerMetrics(share_dir, 1, 3)
     app = web.Application()
     app[EXPOSITION] = lambda: exposition(7, 1, [])
     context = peer.context(app)
     await anext(context)
     try:
         assert peer.path.exists() and peer.path.stat().st_mode & 0o777 == 0o600
-        merged = await WorkerMetrics(workers_dir, 0, 3, timeout_s=1.0).gather(exposition(5, 2, []))
+        merged = await WorkerMetrics(share_dir, 0, 3, timeout_s=1.0).gather(exposition(5, 2, []))
         values = samples(merged)
         assert values[("kvrouter_requests_total", (("replica", "a"), ("status", "200"), ("worker", "1")))] == 7
         assert values[("kvrouter_requests_total", (("replica", "a"), ("status", "200"), ("worker", "0")))] == 5

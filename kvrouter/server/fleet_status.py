@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 
 from kvrouter.admin.api import ADMIN_KEY, ADMIN_TOKEN_KEY, READINESS_KEY, check_admin_token
 from kvrouter.config import Settings
@@ -33,7 +33,7 @@ from kvrouter.server.fleet_metrics import exposition_registry
 from kvrouter.server.model_directory import FleetApp, ModelDirectory
 from kvrouter.server.proxy import error_response
 from kvrouter.server.status import EVENT_STREAMS
-from kvrouter.server.worker_metrics import EXPOSITION, WORKER_METRICS
+from kvrouter.server.worker_metrics import EXPOSITION, metrics_response
 from kvrouter.typedefs import ReplicaName
 
 log = logging.getLogger(__name__)
@@ -112,11 +112,7 @@ class FleetsStatus:
         return generate_latest(self.exposition)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        body = self.own_exposition()
-        workers = request.app.get(WORKER_METRICS)
-        if workers is not None:  # under --workers: every worker's (kvrouter/server/worker_metrics.py)
-            body = await workers.gather(body)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return await metrics_response(request, self.own_exposition())  # under --workers, every worker's
 
     async def debug_queue(self, request: web.Request) -> web.StreamResponse:
         try:

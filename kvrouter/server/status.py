@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 
 from kvrouter.metrics import CostSource
 from kvrouter.openai_request import Endpoint, ParsedRequest, RequestError, parse_request
 from kvrouter.routing.adapters import unavailable as adapter_unavailable
 from kvrouter.server.streaming import BodyTooLarge, read_capped
-from kvrouter.server.worker_metrics import WORKER_METRICS
+from kvrouter.server.worker_metrics import metrics_response
 from kvrouter.typedefs import ReplicaName
 
 if TYPE_CHECKING:
@@ -139,11 +139,7 @@ class StatusEndpoints:
         return generate_latest(self.proxy.metrics.registry)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        body = self.own_exposition()
-        workers = request.app.get(WORKER_METRICS)
-        if workers is not None:  # under --workers: every worker's (kvrouter/server/worker_metrics.py)
-            body = await workers.gather(body)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return await metrics_response(request, self.own_exposition())  # under --workers, every worker's
 
     async def debug_route(self, request: web.Request) -> web.Response:
         """The decision the router would make for this body, with every candidate's breakdown; sends nothing."""

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,13 @@ class WorkerMetrics:
             return b""
 
 
+async def metrics_response(request: web.Request, own: bytes) -> web.Response:
+    """A /metrics answer: this process's exposition `own`, or under `--workers` every worker's."""
+    workers = request.app.get(WORKER_METRICS)
+    body = own if workers is None else await workers.gather(own)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 def merge(parts: list[tuple[int, bytes]], *, scraped: int, expected: int) -> bytes:
     """Prometheus text expositions of several workers as one: each family's comment lines once, then every
     worker's samples of it, each with `worker="<number>"` first among its labels."""
@@ -155,4 +163,4 @@ def _labelled(line: bytes, label: bytes) -> bytes:
     return line[:space] + b"{" + label + b"}" + line[space:]
 
 
-__all__ = ["EXPOSITION", "WORKER_METRICS", "WorkerMetrics", "merge"]
+__all__ = ["EXPOSITION", "WORKER_METRICS", "WorkerMetrics", "merge", "metrics_response"]
