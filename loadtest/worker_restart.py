@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po
+import router_cpu as rc
 
 REPO = Path(__file__).resolve().parents[1]
 BODY = b'{"model": "m", "prompt": "hello", "max_tokens": 4}'
@@ -43,31 +43,19 @@ BODY = b'{"model": "m", "prompt": "hello", "max_tokens": 4}'
 def spawned_workers(supervisor: int) -> list[int]:
     """The supervisor's worker processes (multiprocessing's spawn children, not its resource tracker)."""
     found = []
-    for task in Path(f"/proc/{supervisor}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                command = Path(f"/proc/{child}/cmdline").read_bytes()
-            except FileNotFoundError:
-                continue
-            if b"multiprocessing.spawn" in command:
-                found.append(int(child))
+    for child in rc._children(supervisor):
+        try:
+            if b"multiprocessing.spawn" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except FileNotFoundError:
+            continue
     return sorted(found)
 
 
-async def worker_counts(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """Each worker's requests answered, by its `worker` label (a worker that has answered none has no series), and
-    under "scraped" how many workers the scrape holds."""
-    async with session.get(f"{url}/metrics") as response:
-        text = await response.text()
-    counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "kvrouter_workers_scraped":
-                counts["scraped"] = sample.value
-            elif sample.name == "kvrouter_requests_total":
-                worker = sample.labels.get("worker", "0")
-                counts[worker] = counts.get(worker, 0.0) + sample.value
-    return counts
+async def worker_counts(port: int) -> dict[str, float]:
+    """Each worker in one scrape, by its `worker` label: the requests it answered (0 before its first)."""
+    workers = await asyncio.to_thread(rc.per_worker, port)
+    return {worker: figures.get("kvrouter_requests_total", 0.0) for worker, figures in workers.items()}
 
 
 async def run_setting(args: argparse.Namespace, config: Path, allowance: int) -> None:
@@ -86,7 +74,7 @@ async def run_setting(args: argparse.Namespace, config: Path, allowance: int) ->
         await po.wait_ready(port)
         await asyncio.sleep(2.0)  # both workers listening
         pool = aiohttp.TCPConnector(limit=args.connections)
-        async with aiohttp.ClientSession(connector=pool) as session, aiohttp.ClientSession() as scraper:
+        async with aiohttp.ClientSession(connector=pool) as session:
 
             async def client() -> None:
                 while not stop.is_set():
@@ -99,17 +87,17 @@ async def run_setting(args: argparse.Namespace, config: Path, allowance: int) ->
 
             clients = [asyncio.create_task(client()) for _ in range(args.connections)]
             await asyncio.sleep(args.warmup)
-            before = await worker_counts(scraper, url)
+            before = await worker_counts(port)
             workers = spawned_workers(router.pid)
             os.kill(workers[-1], signal.SIGKILL)
             killed_at = time.monotonic()
             for _ in range(600):
-                counts = await worker_counts(scraper, url)
+                counts = await worker_counts(port)
                 # Restarted: a new process, and the scrape holds both workers again.
-                if spawned_workers(router.pid) != workers and counts.get("scraped") == 2:
+                if spawned_workers(router.pid) != workers and len(counts) == 2:
                     break
                 await asyncio.sleep(0.05)
-            # The restarted worker counts from zero (no series until it answers a request).
+            # The restarted worker counts from zero.
             restarted = min(("0", "1"), key=lambda w: counts.get(w, 0.0) - before.get(w, 0.0))
             survivor = "1" if restarted == "0" else "0"
             print(
@@ -119,7 +107,7 @@ async def run_setting(args: argparse.Namespace, config: Path, allowance: int) ->
             previous = counts
             for window in range(int(args.after / args.window)):
                 await asyncio.sleep(args.window)
-                counts = await worker_counts(scraper, url)
+                counts = await worker_counts(port)
                 new = counts.get(restarted, 0.0) - previous.get(restarted, 0.0)
                 old = counts.get(survivor, 0.0) - previous.get(survivor, 0.0)
                 print(

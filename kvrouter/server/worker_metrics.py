@@ -47,7 +47,7 @@ class WorkerMetrics:
         self.workers = workers
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
-        self.path = directory / f"metrics-{number}.sock"
+        self.path = self.socket_of(number)
         self._logged = -LOG_INTERVAL_S
 
     def socket_of(self, number: int) -> Path:
